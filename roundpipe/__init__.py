@@ -1,0 +1,34 @@
+"""roundpipe: train models larger than GPU memory with dispatch pipeline parallelism.
+
+All model state lives in host memory; every device is a stateless worker to which each
+stage's weights are streamed round-robin while microbatches flow through the stages.
+"""
+
+from __future__ import annotations
+
+from .api import RoundPipe, compile
+from .config import RoundPipeRunConfig
+from .errors import (ConfigError, InputError, LossError, ModelError, OutOfMemoryError,
+                     PartitionError, RoundPipeError, StageError, StepError, TraceError,
+                     UnknownConfigFieldError)
+from .plan import StagePlan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "compile",
+    "RoundPipe",
+    "RoundPipeRunConfig",
+    "StagePlan",
+    "RoundPipeError",
+    "ConfigError",
+    "UnknownConfigFieldError",
+    "ModelError",
+    "TraceError",
+    "PartitionError",
+    "InputError",
+    "LossError",
+    "StageError",
+    "StepError",
+    "OutOfMemoryError",
+]

@@ -1,0 +1,409 @@
+"""The user-facing API: :func:`compile` and :class:`RoundPipe`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .backprop import attach_backward
+from .compiler import compile_model, make_plan
+from .config import ResolvedRunConfig, RoundPipeRunConfig
+from .errors import ConfigError, InputError, ModelError, RoundPipeError
+from .passes.cost import CostReport, DeviceModel, with_measured_times
+from .plan import StagePlan
+from .runtime.devices import Device, resolve_devices
+from .runtime.executor import Executor, RunResult, RunStats
+from .runtime.host_state import HostState, ModelState
+from .runtime.microbatch import (batch_size_of, check_on_cpu, merge_outputs, split_inputs,
+                                 split_label)
+from .runtime.optimizer import OptimizerWorker
+from .runtime.rng import RngKey
+from .runtime.signature import flatten_inputs, leading_size, matches
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Compiled:
+    """One compiled program with its executor (a model may have several: new shapes,
+    train/eval mode)."""
+
+    plan: StagePlan
+    host: HostState
+    executor: Executor
+    training: tuple[bool, ...]
+    report: CostReport | None = None
+
+
+class RoundPipe:
+    """Train or run ``model`` with dispatch pipeline parallelism.
+
+    All model state stays in host memory; every device is a stateless worker to which
+    stage weights are streamed round-robin.  Compilation happens on the first call (or
+    eagerly through :func:`compile`).
+
+    Args:
+        model: any ``nn.Module`` with its parameters on the CPU.
+        optim_dtype: dtype of the master weights the optimizer updates (e.g.
+            ``torch.float32`` for a bf16 model).  ``None``: the optimizer updates the model
+            parameters themselves.
+        model_run_config: defaults for every call (see :class:`RoundPipeRunConfig`).
+        devices: ``None`` (every visible CUDA device, else one CPU device; the environment
+            variable ``ROUNDPIPE_DEVICES=cpu,cpu`` overrides), or a list such as
+            ``["cpu"] * 4`` (virtual CPU devices) or ``["cuda:0", "cuda:1"]``.
+        memory_cap: bytes a stage may use on a device (None: unlimited).
+        num_stages: exact number of stages (default: devices + 1, more if memory demands).
+        seed: base seed of the keyed dropout streams (default ``torch.initial_seed()``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        optim_dtype: torch.dtype | None = None,
+        model_run_config: RoundPipeRunConfig | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+        memory_cap: int | None = None,
+        num_stages: int | None = None,
+        seed: int | None = None,
+        device_model: DeviceModel | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ModelError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
+        off_cpu = [(n, t.device) for n, t in list(model.named_parameters())
+                   + list(model.named_buffers()) if t.device.type != "cpu"]
+        if off_cpu:
+            name, dev = off_cpu[0]
+            raise ModelError(
+                f"{len(off_cpu)} parameter(s)/buffer(s) are not on the CPU (first: {name} on "
+                f"{dev}); roundpipe keeps the model in host memory and streams it to the "
+                "devices: build or move the model to the CPU (model.cpu()) first")
+        if model_run_config is not None and not isinstance(model_run_config,
+                                                           RoundPipeRunConfig):
+            raise ConfigError("model_run_config must be a RoundPipeRunConfig, got "
+                              f"{type(model_run_config).__name__}")
+        if optim_dtype is not None and not (isinstance(optim_dtype, torch.dtype)
+                                            and optim_dtype.is_floating_point):
+            raise ConfigError(f"optim_dtype must be a floating torch.dtype or None, got "
+                              f"{optim_dtype!r}")
+        object.__setattr__(self, "model", model)
+        self.model_run_config = model_run_config or RoundPipeRunConfig()
+        self.devices: list[Device] = resolve_devices(devices)
+        self.memory_cap = memory_cap
+        self.num_stages = num_stages
+        self.seed = torch.initial_seed() if seed is None else int(seed)
+        self.device_model = device_model or DeviceModel.for_device(self.devices[0].torch_device)
+        self._state = ModelState(model, optim_dtype)
+        self._optimizer = OptimizerWorker(self._state)
+        self._compiled: list[_Compiled] = []
+        self._current: _Compiled | None = None
+        self._calls = 0
+        self._stats: RunStats | None = None
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # --- compilation ---------------------------------------------------------------------
+    def compile(self, example_args: tuple[Any, ...] = (),
+                example_kwargs: dict[str, Any] | None = None) -> StagePlan:
+        """Compile for inputs like ``example_args``/``example_kwargs`` (a whole batch)."""
+        if not isinstance(example_args, tuple):
+            example_args = (example_args,)
+        cfg = self._config(None)
+        mbs = split_inputs(example_args, dict(example_kwargs or {}), cfg.num_microbatch,
+                           cfg.split_input)
+        return self._compiled_for(mbs, example_args, dict(example_kwargs or {}), cfg).plan
+
+    @property
+    def plan(self) -> StagePlan:
+        """The stage plan of the most recent call (or of :meth:`compile`)."""
+        if self._current is None:
+            raise RoundPipeError(
+                "the model has not been compiled yet: call forward()/forward_backward() "
+                "once, or use roundpipe.compile(model, example_args=...)")
+        return self._current.plan
+
+    @property
+    def plans(self) -> tuple[StagePlan, ...]:
+        """Every plan compiled for this model (one per input signature / mode)."""
+        return tuple(c.plan for c in self._compiled)
+
+    def _training_flags(self) -> tuple[bool, ...]:
+        return tuple(m.training for m in self.model.modules())
+
+    def _compiled_for(self, mbs: list[tuple[tuple[Any, ...], dict[str, Any]]],
+                      full_args: tuple[Any, ...], full_kwargs: dict[str, Any],
+                      cfg: ResolvedRunConfig) -> _Compiled:
+        training = self._training_flags()
+        for entry in self._compiled:
+            if entry.training == training and all(
+                    matches(entry.plan.program.inputs, a, k) for a, k in mbs):
+                self._current = entry
+                return entry
+        # Trace one microbatch when it has at least 2 samples (a batch of 1 would be
+        # specialised by export); otherwise the whole batch, costs scaled per microbatch.
+        first_args, first_kwargs = mbs[0]
+        per_mb = leading_size(first_args, first_kwargs) >= 2
+        example = (first_args, first_kwargs) if per_mb else (full_args, full_kwargs)
+        if self._compiled:
+            log.info("roundpipe: recompiling %s for a new input signature or mode",
+                     type(self.model).__name__)
+        plan = compile_model(
+            self.model, example[0], example[1], num_devices=len(self.devices),
+            num_microbatch=cfg.num_microbatch, example_is_microbatch=per_mb,
+            device_model=self.device_model, memory_cap=self.memory_cap,
+            num_stages=self.num_stages, recompute_grain=cfg.recompute_grain)
+        for a, k in mbs:
+            if not matches(plan.program.inputs, a, k):
+                raise InputError(
+                    "the traced graph specialised some input dimensions (see "
+                    f"plan.program.inputs.static: {plan.program.inputs.static}) and not every "
+                    "microbatch matches them; use a batch divisible by num_microbatch or make "
+                    "the model's shapes dynamic")
+        host = HostState(self._state, plan.program)
+        entry = _Compiled(plan, host, Executor(plan, host, self.devices), training)
+        self._compiled.append(entry)
+        self._current = entry
+        return entry
+
+    def replan(self, *, use_measured: bool = True, **options: Any) -> StagePlan:
+        """Recompute the partition of the current program (no retrace), from the per-unit
+        times measured by the last call when ``use_measured``.  ``options`` may set
+        ``memory_cap`` and ``num_stages``."""
+        entry = self._current
+        if entry is None:
+            return self.plan  # raises the "not compiled" error
+        plan = entry.plan
+        costs = plan.costs
+        if use_measured and self._stats is not None:
+            m = max(1, plan.num_microbatch)
+            fwd = {u: t / m for u, t in self._stats.unit_fwd_s.items()}
+            bwd = {u: max(0.0, t / m - fwd.get(u, 0.0)) for u, t in
+                   self._stats.unit_bwd_s.items()}
+            costs = with_measured_times(costs, fwd, bwd)
+        report = CostReport(units=costs, values={}, cut_bytes=())
+        new = make_plan(plan.program, plan.units, report, num_devices=len(self.devices),
+                        num_microbatch=plan.num_microbatch, device_model=self.device_model,
+                        memory_cap=options.get("memory_cap", self.memory_cap),
+                        num_stages=options.get("num_stages", self.num_stages),
+                        notes=plan.notes)
+        entry.plan = new
+        entry.executor = Executor(new, entry.host, self.devices)
+        return new
+
+    # --- calls ---------------------------------------------------------------------------
+    def _config(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
+        return self.model_run_config.overridden_by(run_config).resolve(len(self.devices))
+
+    def _keys(self, cfg: ResolvedRunConfig) -> list[RngKey | None]:
+        if not cfg.preserve_rng_state:
+            return [None] * cfg.num_microbatch
+        return [RngKey(self.seed, self._calls, mb) for mb in range(cfg.num_microbatch)]
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 cfg: ResolvedRunConfig) -> tuple[_Compiled, list[dict[str, Any]],
+                                                  list[tuple[tuple, dict]]]:
+        if self._closed:
+            raise RoundPipeError("this RoundPipe was closed; create a new one")
+        check_on_cpu((args, kwargs), "input")
+        mbs = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
+        entry = self._compiled_for(mbs, args, kwargs, cfg)
+        flat = [flatten_inputs(entry.plan.program.inputs, a, k) for a, k in mbs]
+        return entry, flat, mbs
+
+    def forward_backward(
+        self,
+        input_args: tuple[Any, ...] | Any = (),
+        input_kwargs: dict[str, Any] | None = None,
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        run_config: RoundPipeRunConfig | None = None,
+        return_outputs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """Forward, loss and backward over all microbatches; gradients accumulate into the
+        masters' ``.grad`` (``optim_parameters()``).
+
+        ``loss_fn(output_mb, label_mb)`` runs on the device right after the last stage.
+        Returns the sum of the microbatch losses on the CPU (and the merged outputs when
+        ``return_outputs``).
+        """
+        if loss_fn is None or not callable(loss_fn):
+            raise ConfigError("forward_backward needs a callable loss_fn(output, label)")
+        if not isinstance(input_args, tuple):
+            input_args = (input_args,)
+        input_kwargs = dict(input_kwargs or {})
+        with self._lock:
+            cfg = self._config(run_config)
+            self._optimizer.raise_if_failed()
+            check_on_cpu(label, "label")
+            entry, flat, mbs = self._prepare(input_args, input_kwargs, cfg)
+            batch = batch_size_of(input_args, input_kwargs) if cfg.split_input is None else -1
+            labels = split_label(label, cfg.num_microbatch, batch, cfg.split_label)
+            result = entry.executor.train(
+                flat, labels, loss_fn, grain=cfg.recompute_grain, want_outputs=return_outputs,
+                keys=self._keys(cfg), fence_version=self._state.fences.target)
+            self._finish(entry, result)
+            loss = _sum_losses(result.losses)
+            if return_outputs:
+                return loss, self._merge(entry, result, mbs, cfg)
+            return loss
+
+    def _finish(self, entry: _Compiled, result: RunResult) -> None:
+        # Gradients may only land once the optimizer has finished reading them.
+        self._optimizer.wait()
+        entry.host.commit(result.param_grads, result.buffers)
+        self._stats = result.stats
+        self._calls += 1
+
+    def _merge(self, entry: _Compiled, result: RunResult, mbs: list, cfg: ResolvedRunConfig
+               ) -> Any:
+        outputs = [pytree.tree_unflatten(o, entry.plan.program.out_spec)
+                   for o in result.outputs or []]
+        sizes = [leading_size(a, k) for a, k in mbs]
+        return merge_outputs(outputs, sizes, cfg.merge_output, cfg.output_device)
+
+    def forward(self, *args: Any, run_config: RoundPipeRunConfig | None = None,
+                **kwargs: Any) -> Any:
+        """Pipelined forward; outputs are merged on ``output_device`` (CPU by default).
+
+        When grad is enabled (or ``requires_grad=True`` in the run config), calling
+        ``backward()`` on the result runs a pipelined backward with recompute and fills
+        the same gradients as :meth:`forward_backward`.
+        """
+        with self._lock:
+            cfg = self._config(run_config)
+            self._optimizer.raise_if_failed()
+            entry, flat, mbs = self._prepare(tuple(args), dict(kwargs), cfg)
+            record = cfg.requires_grad if cfg.requires_grad is not None \
+                else torch.is_grad_enabled()
+            keys = self._keys(cfg)
+            version = self._state.fences.target
+            result = entry.executor.forward(flat, record=record, grain=cfg.recompute_grain,
+                                            keys=keys, fence_version=version)
+            self._finish(entry, result)
+            merged = self._merge(entry, result, mbs, cfg)
+            if not record:
+                return merged
+            return attach_backward(self, entry, result, (tuple(args), dict(kwargs)), mbs,
+                                   merged, cfg, keys)
+
+    __call__ = forward
+
+    # --- optimizer -----------------------------------------------------------------------
+    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
+        """Run ``step_fn`` (e.g. ``lambda: (opt.step(), opt.zero_grad())``) on the CPU
+        optimizer thread.
+
+        With ``is_async=True`` the next call overlaps it and uses the weights from before
+        this step (one step old), as in the seeds' reference system; with
+        ``is_async=False`` the weights are updated before ``step`` returns.  Without
+        ``optim_dtype`` (no separate masters) the next call waits for the step instead.
+        """
+        self._optimizer.step(step_fn, is_async=is_async)
+
+    def synchronize(self) -> None:
+        """Wait for the optimizer; afterwards ``.grad`` and the weights are consistent and
+        the model's weights equal the masters."""
+        self._optimizer.synchronize()
+
+    def optim_parameters(self) -> list[torch.Tensor]:
+        """The tensors an optimizer should update: fp32 (``optim_dtype``) masters of the
+        trainable parameters, or the model's own parameters when ``optim_dtype`` is None."""
+        return [t for _, t in self._state.named_masters()]
+
+    def optim_named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return self._state.named_masters()
+
+    # --- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The model's state dict, with parameters taken from the masters where they
+        exist (so fp32 masters of a bf16 model are saved exactly).  Waits for a pending
+        step.  Loadable into the plain model too (values are cast on load)."""
+        self.synchronize()
+        sd = self.model.state_dict()
+        if self._state.has_masters:
+            masters = self._state.masters()
+            for name, param in self.model.named_parameters(remove_duplicate=False):
+                canonical = next((n for n, p in self.model.named_parameters() if p is param),
+                                 name)
+                if canonical in masters:
+                    sd[name] = masters[canonical].detach()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Load a state dict from :meth:`state_dict` (or a plain model's) bit-exactly."""
+        self.synchronize()
+        result = self.model.load_state_dict(state_dict, strict=strict)
+        self._state.load_masters({n: state_dict[n] for n, _ in self.model.named_parameters()
+                                  if n in state_dict})
+        self._state.publish(self._state.fences.schedule())
+        return result
+
+    def stats(self) -> RunStats:
+        """Transfers, peak residency per device and the job timeline of the last call."""
+        if self._stats is None:
+            raise RoundPipeError("no call has run yet, so there are no stats")
+        return self._stats
+
+    def close(self) -> None:
+        """Wait for pending work and stop the worker threads."""
+        if self._closed:
+            return
+        try:
+            self._optimizer.wait()
+        finally:
+            self._closed = True
+            self._optimizer.close()
+            for device in self.devices:
+                device.close()
+
+    def __enter__(self) -> RoundPipe:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        # Attribute access falls through to the wrapped model (pipe.config, ...).
+        if name == "model" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["model"], name)
+
+    def __repr__(self) -> str:
+        return (f"RoundPipe({type(self.model).__name__}, devices="
+                f"{[d.name for d in self.devices]})")
+
+
+def compile(  # noqa: A001 - the documented name
+    model: torch.nn.Module,
+    example_args: tuple[Any, ...] | Any = (),
+    example_kwargs: dict[str, Any] | None = None,
+    **options: Any,
+) -> RoundPipe:
+    """Compile ``model`` for inputs like the example (a whole batch) and return a
+    :class:`RoundPipe` whose ``.plan`` is ready.  ``options`` are :class:`RoundPipe`'s."""
+    pipe = RoundPipe(model, **options)
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    pipe.compile(example_args, example_kwargs)
+    return pipe
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+def _sum_losses(losses: list[torch.Tensor | None]) -> torch.Tensor:
+    values = [l for l in losses if l is not None]
+    if not values:
+        return torch.tensor(0.0)
+    dtype = values[0].dtype
+    acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    total = values[0].to(acc_dtype).reshape(())
+    for v in values[1:]:
+        total = total + v.to(acc_dtype).reshape(())
+    return total
+
+

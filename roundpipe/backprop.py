@@ -1,0 +1,147 @@
+"""``loss.backward()`` through a pipelined :meth:`RoundPipe.forward`.
+
+The forward ran with ``record=True``, so the host store holds what the backward stages
+need.  The merged outputs are returned through an ``autograd.Function`` whose backward
+splits the output gradients per microbatch (the inverse of the merge), runs the backward
+jobs (the tail is recomputed like any backward stage), commits parameter gradients to the
+masters and returns the gradients of inputs that require them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import ConfigError
+from .runtime.microbatch import merge_rules
+from .runtime.signature import flat_leaves, leading_size
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .api import RoundPipe, _Compiled
+    from .config import ResolvedRunConfig
+    from .runtime.executor import RunResult
+    from .runtime.rng import RngKey
+
+
+class _Context:
+    """Everything the backward needs from the forward call."""
+
+    def __init__(self, pipe: RoundPipe, entry: _Compiled, result: RunResult,
+                 per_mb_outputs: list[list[Any]], rules: list[Any], cfg: ResolvedRunConfig,
+                 keys: list[RngKey | None], grad_inputs: list[tuple[str, bool]]) -> None:
+        self.pipe = pipe
+        self.entry = entry
+        self.stash = result.stash
+        self.per_mb_outputs = per_mb_outputs
+        self.rules = rules
+        self.cfg = cfg
+        self.keys = keys
+        self.grad_inputs = grad_inputs  # (value name, was split) per input requiring grad
+        self.version = pipe._state.fences.target
+
+
+class _PipelineBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, context: _Context, anchor: torch.Tensor, *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.context = context
+        n_out = len(context.out_tensors)  # type: ignore[attr-defined]
+        outs = tuple(t.detach() for t in context.out_tensors)  # type: ignore[attr-defined]
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        del n_out, tensors, anchor
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        context: _Context = ctx.context
+        if context.stash is None:
+            raise RuntimeError("this forward was not recorded for backward")
+        program = context.entry.plan.program
+        num_mb = len(context.per_mb_outputs)
+        output_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(num_mb)]
+        for j, grad in zip(context.out_columns, grads):  # type: ignore[attr-defined]
+            if grad is None:
+                continue
+            ref = program.outputs[j]
+            if ref.value is None:
+                continue
+            for mb, piece in enumerate(_split_grad(grad, context.rules[j],
+                                                   [o[j] for o in context.per_mb_outputs])):
+                if piece is None:
+                    continue
+                store = output_grads[mb]
+                store[ref.value] = store[ref.value] + piece if ref.value in store else piece
+        pipe = context.pipe
+        with pipe._lock:
+            result = context.entry.executor.backward(
+                context.stash, output_grads, grain=context.cfg.recompute_grain,
+                keys=context.keys, fence_version=context.version)
+            pipe._optimizer.wait()
+            context.entry.host.commit(result.param_grads, {})
+            pipe._stats = result.stats
+        context.stash = None  # a second backward through the same graph is an error
+        input_grads: list[torch.Tensor | None] = []
+        for name, was_split in context.grad_inputs:
+            pieces = [g.get(name) for g in result.input_grads or []]
+            if all(p is None for p in pieces):
+                input_grads.append(None)
+            elif was_split:
+                input_grads.append(torch.cat([p for p in pieces if p is not None]))
+            else:
+                total = None
+                for p in pieces:
+                    if p is not None:
+                        total = p if total is None else total + p
+                input_grads.append(total)
+        return (None, None, *input_grads)
+
+
+def _split_grad(grad: torch.Tensor, rule: Any, per_mb: list[Any]) -> list[torch.Tensor | None]:
+    if rule == "sum":
+        return [grad] * len(per_mb)
+    if rule == "stack":
+        return list(grad.unbind(0))
+    if rule == "first":
+        return [grad] + [None] * (len(per_mb) - 1)
+    sizes = [t.shape[rule] for t in per_mb]
+    return list(torch.split(grad, sizes, dim=rule))
+
+
+def attach_backward(pipe: RoundPipe, entry: _Compiled, result: RunResult,
+                    full_inputs: tuple[tuple[Any, ...], dict[str, Any]], mbs: list,
+                    merged: Any, cfg: ResolvedRunConfig, keys: list[RngKey | None]) -> Any:
+    """Return ``merged`` with its floating tensors connected to a pipelined backward."""
+    if callable(cfg.merge_output):
+        raise ConfigError(
+            "a callable merge_output cannot be differentiated through; use a merge spec, "
+            "forward_backward(), or run forward() under torch.no_grad()")
+    program = entry.plan.program
+    per_mb = [pytree.tree_unflatten(o, program.out_spec) for o in result.outputs or []]
+    sizes = [leading_size(a, k) for a, k in mbs]
+    rules = merge_rules(per_mb, sizes, cfg.merge_output)
+    flat_merged, spec = pytree.tree_flatten(merged)
+    per_mb_flat = [pytree.tree_flatten(o)[0] for o in per_mb]
+
+    full_leaves = flat_leaves(program.inputs, *full_inputs) or []
+    grad_inputs: list[tuple[str, bool]] = []
+    grad_tensors: list[torch.Tensor] = []
+    first_mb_leaves = flat_leaves(program.inputs, *mbs[0]) or []
+    for pos, leaf in enumerate(full_leaves):
+        name = program.inputs.names[pos]
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and name is not None:
+            was_split = first_mb_leaves[pos] is not leaf
+            grad_inputs.append((name, was_split))
+            grad_tensors.append(leaf)
+
+    context = _Context(pipe, entry, result, per_mb_flat, rules, cfg, keys, grad_inputs)
+    columns = [j for j, v in enumerate(flat_merged) if isinstance(v, torch.Tensor)]
+    context.out_columns = columns  # type: ignore[attr-defined]
+    context.out_tensors = [flat_merged[j] for j in columns]  # type: ignore[attr-defined]
+    anchor = torch.empty(0, requires_grad=True)
+    outs = _PipelineBackward.apply(context, anchor, *grad_tensors)
+    for j, out in zip(columns, outs):
+        flat_merged[j] = out
+    return pytree.tree_unflatten(flat_merged, spec)
+

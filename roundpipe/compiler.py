@@ -1,0 +1,216 @@
+"""The compiler: model -> :class:`~roundpipe.plan.StagePlan`, one pass after another."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+
+from .errors import PartitionError
+from .passes.codegen import build_stage_module, generate_unit_programs
+from .passes.cost import CostReport, DeviceModel, estimate_costs
+from .passes.layers import assign_layers, find_unit_roots
+from .passes.partition import (PipelineCuts, max_pipeline_stages, partition_pipeline,
+                               simulate_round_robin)
+from .passes.recompute import plan_recompute
+from .passes.trace import trace
+from .plan import LayerUnit, ModelProgram, StagePlan, StageSpec, UnitCost, compact_unit_names
+
+log = logging.getLogger(__name__)
+
+PASSES = ("trace", "layers", "codegen(units)", "cost", "partition", "recompute",
+          "codegen(stages)")
+
+
+def compile_model(
+    model: torch.nn.Module,
+    example_args: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    num_devices: int = 1,
+    num_microbatch: int | None = None,
+    example_is_microbatch: bool = False,
+    device_model: DeviceModel | None = None,
+    memory_cap: int | None = None,
+    num_stages: int | None = None,
+    recompute_grain: str = "stage",
+) -> StagePlan:
+    """Trace ``model`` and cut it into a stage plan.
+
+    Args:
+        model: the model (on the CPU).
+        example_args, example_kwargs: one example call, a whole batch.
+        num_devices: devices the plan is balanced for.
+        num_microbatch: microbatches per batch (default ``num_devices + 1``); costs are
+            estimated per microbatch.
+        example_is_microbatch: the example is one microbatch rather than a whole batch.
+        device_model: throughput figures for the cost model (default: the CPU's).
+        memory_cap: bytes one stage may use on a device (None: unlimited).
+        num_stages: exact number of stages (default: ``num_devices + 1``, more when the
+            memory cap demands it).
+        recompute_grain: default grain shown in the plan (each call may override it).
+    """
+    started = time.perf_counter()
+    num_microbatch = num_microbatch or num_devices + 1
+    device_model = device_model or DeviceModel.for_device("cpu")
+    # 1. trace: one flat graph, state as placeholders, tied weights deduplicated.
+    roots = find_unit_roots(model)
+    traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots)
+    # 2. layers: group nodes into layer units (repeated blocks, prologue, epilogue).
+    layers = assign_layers(traced, roots)
+    # 6a. codegen: one program per unit; cuts only ever fall between units.
+    program = generate_unit_programs(traced, layers)
+    # 3. cost: FLOPs and bytes per unit on fake tensors, liveness across every cut.
+    scale = 1.0 if example_is_microbatch else 1.0 / num_microbatch
+    report = estimate_costs(traced, layers, program, device_model, scale=scale)
+    plan = make_plan(program, layers.units, report, num_devices=num_devices,
+                     num_microbatch=num_microbatch, device_model=device_model,
+                     memory_cap=memory_cap, num_stages=num_stages,
+                     recompute_grain=recompute_grain, notes=traced.notes)
+    log.info("roundpipe: compiled %s (%s, %d units, %d stages) in %.2f s",
+             type(model).__name__, traced.method, len(layers.units), len(plan.stages),
+             time.perf_counter() - started)
+    return plan
+
+
+def make_plan(
+    program: ModelProgram,
+    units: Sequence[LayerUnit],
+    report: CostReport,
+    *,
+    num_devices: int,
+    num_microbatch: int,
+    device_model: DeviceModel,
+    memory_cap: int | None = None,
+    num_stages: int | None = None,
+    recompute_grain: str = "stage",
+    notes: Sequence[str] = (),
+) -> StagePlan:
+    """Partition, plan recompute and generate stage programs from unit costs.
+
+    Separate from :func:`compile_model` so a plan can be recomputed from measured times
+    without tracing again.
+    """
+    costs = report.units
+    # 4. partition: exact min-max over forward, fused tail and backward stages.
+    cuts = _choose_cuts(costs, num_devices=num_devices, memory_cap=memory_cap,
+                        num_stages=num_stages, names=[u.name for u in units])
+    ranges = ([("fwd", p) for p in cuts.forward_parts]
+              + [("fused", (cuts.tail_start, len(costs)))]
+              + [("bwd", p) for p in reversed(cuts.backward_parts)])
+    # 5. recompute: what each backward stage needs stashed, per grain.
+    stash = plan_recompute(program, ranges)
+    # 6b. codegen: a program per stage that calls its unit programs in order.
+    stage_modules = tuple(build_stage_module(program, a, b)[0] for _, (a, b) in ranges)
+    stages = tuple(_stage_spec(i, kind, rng, program, units, report, cuts, memory_cap,
+                               recompute_grain) for i, (kind, rng) in enumerate(ranges))
+    schedule = simulate_round_robin(
+        [s.est_time_s for s in stages], num_microbatch, num_devices,
+        upload_times=[s.param_bytes / device_model.link_bytes_per_s for s in stages])
+    return StagePlan(
+        program=program,
+        units=tuple(units),
+        costs=tuple(costs),
+        stages=stages,
+        stage_modules=stage_modules,
+        stash=stash,
+        num_devices=num_devices,
+        num_microbatch=num_microbatch,
+        memory_cap=memory_cap,
+        est_step_time_s=schedule.makespan,
+        passes=PASSES,
+        notes=tuple(notes),
+    )
+
+
+def _ns(seconds: float) -> int:
+    return max(1, round(seconds * 1e9))
+
+
+def _fwd_memory(c: UnitCost) -> int:
+    return c.param_bytes + c.activation_bytes
+
+
+def _bwd_memory(c: UnitCost) -> int:
+    return c.param_bytes + c.trainable_bytes + c.activation_bytes
+
+
+def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int | None,
+                 num_stages: int | None, names: Sequence[str]) -> PipelineCuts:
+    """The fewest stages (at least devices + 1) that satisfy the memory cap, balanced."""
+    fwd = [_ns(c.fwd_s) for c in costs]
+    bwd = [_ns(c.fwd_s + c.bwd_s) for c in costs]  # recompute + backward
+    kwargs = dict(fwd_memory=[_fwd_memory(c) for c in costs],
+                  bwd_memory=[_bwd_memory(c) for c in costs],
+                  tail_memory=[_bwd_memory(c) for c in costs],
+                  memory_cap=memory_cap)
+    n = len(costs)
+    most = max_pipeline_stages(n)
+    if memory_cap is not None:
+        worst = max(range(n), key=lambda i: _bwd_memory(costs[i]))
+        if _bwd_memory(costs[worst]) > memory_cap:
+            raise PartitionError(
+                f"unit {names[worst]} alone needs {_bwd_memory(costs[worst]) / 2**20:.1f} MiB "
+                f"(weights, gradients and one microbatch of activations) but the per-stage "
+                f"memory cap is {memory_cap / 2**20:.1f} MiB; raise num_microbatch to shrink "
+                f"activations, use recompute_grain='layer', or give the devices more memory"
+            )
+    if num_stages is not None:
+        return partition_pipeline(fwd, bwd, bwd, num_stages, **kwargs)
+    first = min(num_devices + 1, most)
+    if first == 2:  # two stages cannot hold forward, fused and backward stages
+        first = 3 if most >= 3 else 1
+    last_error: PartitionError | None = None
+    for count in range(first, most + 1):
+        if count == 2:
+            continue
+        try:
+            return partition_pipeline(fwd, bwd, bwd, count, **kwargs)
+        except PartitionError as e:
+            last_error = e
+            if memory_cap is None:
+                raise
+    raise last_error or PartitionError(f"no stage count between {first} and {most} works")
+
+
+def _stage_spec(index: int, kind: str, units_range: tuple[int, int], program: ModelProgram,
+                units: Sequence[LayerUnit], report: CostReport, cuts: PipelineCuts,
+                memory_cap: int | None, grain: str) -> StageSpec:
+    start, stop = units_range
+    costs = report.units[start:stop]
+    state = {s for u in program.units[start:stop] for s in u.state}
+    by_name = program.state_by_name()
+    param_bytes = sum(by_name[s].nbytes for s in state)
+    trainable = sum(c.trainable_bytes for c in costs)
+    activations = sum(c.activation_bytes for c in costs)
+    act_in, act_out = report.crossing(start, stop)
+    if kind == "fwd":
+        est = sum(c.fwd_s for c in costs)
+        memory = param_bytes + activations
+    else:
+        est = sum(c.fwd_s + c.bwd_s for c in costs)
+        memory = param_bytes + trainable + activations
+    bottleneck_s = cuts.bottleneck / 1e9
+    if memory_cap is not None and memory > 0.9 * memory_cap:
+        reason = "memory cap"
+    elif abs(est - bottleneck_s) <= 1e-9 * max(1.0, bottleneck_s * 1e9):
+        reason = "bottleneck"
+    elif kind == "fused":
+        reason = "largest tail within the bottleneck"
+    else:
+        reason = "balanced"
+    return StageSpec(
+        index=index,
+        kind=kind,  # type: ignore[arg-type]
+        units=units_range,
+        unit_names=compact_unit_names([u.name for u in units[start:stop]]),
+        param_bytes=param_bytes,
+        est_time_s=est,
+        act_in_bytes=act_in,
+        act_out_bytes=act_out,
+        memory_bytes=memory,
+        recompute="none" if kind != "bwd" else grain,
+        reason=reason,
+    )

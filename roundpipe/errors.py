@@ -1,0 +1,81 @@
+"""Errors raised by roundpipe.
+
+Every error is a :class:`RoundPipeError` and also subclasses the builtin type a caller
+would naturally catch (``ValueError`` for bad input, ``RuntimeError`` for failures while
+running, ``MemoryError`` for out-of-memory).  Messages state the fact, the numbers and the
+way out.
+"""
+
+from __future__ import annotations
+
+
+class RoundPipeError(Exception):
+    """Base class of every error roundpipe raises on purpose."""
+
+
+class ConfigError(RoundPipeError, ValueError):
+    """A configuration value (``RoundPipeRunConfig``, compile options) is invalid."""
+
+
+class UnknownConfigFieldError(ConfigError, TypeError):
+    """A configuration was given a field it does not have."""
+
+
+class ModelError(RoundPipeError, ValueError):
+    """The model cannot be pipelined as given (for example, it has no parameters)."""
+
+
+class TraceError(RoundPipeError, RuntimeError):
+    """Neither ``torch.export`` nor the ``torch.fx`` fallback could trace the model."""
+
+
+class PartitionError(RoundPipeError, ValueError):
+    """No partition satisfies the constraints (stage count, memory cap)."""
+
+
+class InputError(RoundPipeError, ValueError):
+    """Inputs or labels passed to a call are unusable (device, batch size, structure)."""
+
+
+class LossError(RoundPipeError, ValueError):
+    """``loss_fn`` returned something that is not a finite scalar tensor."""
+
+
+class StageError(RoundPipeError, RuntimeError):
+    """An exception was raised while a stage ran on a device.
+
+    Attributes:
+        stage: index of the failing stage in execution order.
+        device: name of the device it ran on.
+        microbatch: index of the microbatch being processed (``None`` if outside one).
+    """
+
+    def __init__(self, message: str, *, stage: int | None = None, device: str | None = None,
+                 microbatch: int | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.device = device
+        self.microbatch = microbatch
+
+
+class StepError(RoundPipeError, RuntimeError):
+    """The ``step_fn`` passed to ``RoundPipe.step`` raised."""
+
+
+class OutOfMemoryError(RoundPipeError, MemoryError):
+    """A stage does not fit in a device's memory."""
+
+
+__all__ = [
+    "RoundPipeError",
+    "ConfigError",
+    "UnknownConfigFieldError",
+    "ModelError",
+    "TraceError",
+    "PartitionError",
+    "InputError",
+    "LossError",
+    "StageError",
+    "StepError",
+    "OutOfMemoryError",
+]

@@ -1,0 +1,245 @@
+"""Pass 3, cost: estimate what each layer unit costs, without running it for real.
+
+The traced graph is interpreted on fake tensors (``FakeTensorMode``: shapes and dtypes,
+no data, no compute) under ``FlopCounterMode``.  Per node we record
+
+* FLOPs (matmul-like ops; the counter reports 0 for embedding, norms, softmax);
+* bytes read and written, which stand for the memory-bound ops the counter ignores;
+* the bytes of the value it produces.
+
+A node's time is ``max(flops / peak, bytes / bandwidth) + launch overhead`` on a
+:class:`DeviceModel`; views cost nothing.  Backward is estimated at twice the forward.
+Liveness across every cut between units is computed on a ``networkx`` graph of values.
+Measured times replace estimates through :func:`with_measured_times`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import networkx as nx
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+import torch.utils._pytree as pytree
+
+from ..plan import ModelProgram, UnitCost
+from .layers import LayerAssignment
+from .trace import TracedGraph
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Throughput figures used to turn FLOPs and bytes into seconds.
+
+    Attributes:
+        name: label shown in reports.
+        flops_per_s: sustained matmul rate.
+        bytes_per_s: device memory bandwidth.
+        link_bytes_per_s: host-to-device bandwidth (weight and activation uploads).
+        launch_s: fixed cost per op (kernel launch, Python dispatch).
+    """
+
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+    link_bytes_per_s: float
+    launch_s: float
+
+    @staticmethod
+    def for_device(device: torch.device | str) -> DeviceModel:
+        """A rough model of ``device``; only ratios matter for balancing."""
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_available():  # pragma: no cover - GPU
+            props = torch.cuda.get_device_properties(device)
+            if "H100" in props.name or "H200" in props.name:
+                return DeviceModel(props.name, 6.0e14, 3.0e12, 4.0e10, 6e-6)
+            return DeviceModel(props.name, 1.0e14, 1.0e12, 2.0e10, 8e-6)
+        return DeviceModel("cpu", 5.0e10, 1.0e10, 1.0e10, 4e-6)
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """One value crossing unit boundaries: where it is made, where it is read, its size."""
+
+    name: str
+    def_unit: int          # -1 for user inputs
+    use_units: tuple[int, ...]  # len(units) stands for "a model output"
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """Per-unit costs, and the values that cross unit boundaries."""
+
+    units: tuple[UnitCost, ...]
+    values: Mapping[str, ValueInfo]
+    cut_bytes: tuple[int, ...]  # cut c sits before unit c; cut n is the model outputs
+
+    def crossing(self, start: int, stop: int) -> tuple[int, int]:
+        """Activation bytes entering and leaving units ``[start, stop)``."""
+        entering = sum(v.nbytes for v in self.values.values()
+                       if v.def_unit < start and any(start <= u < stop for u in v.use_units))
+        leaving = sum(v.nbytes for v in self.values.values()
+                      if start <= v.def_unit < stop and any(u >= stop for u in v.use_units))
+        return entering, leaving
+
+
+def _tensor_bytes(value: Any) -> int:
+    total = 0
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.returns and schema.returns[0].alias_info
+                is not None and not schema.returns[0].alias_info.is_write)
+
+
+class _CostInterpreter(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, counter: FlopCounterMode) -> None:
+        super().__init__(gm)
+        self.counter = counter
+        self.flops: dict[str, int] = {}
+        self.traffic: dict[str, int] = {}
+        self.out_bytes: dict[str, int] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        before = self.counter.get_total_flops()
+        result = super().run_node(n)
+        if n.op in ("call_function", "call_method", "call_module"):
+            self.flops[n.name] = self.counter.get_total_flops() - before
+            produced = 0 if _is_view(n) else _tensor_bytes(result)
+            read = sum(_tensor_bytes(self.env[a]) for a in n.all_input_nodes if a in self.env)
+            self.traffic[n.name] = 0 if _is_view(n) else read + produced
+            self.out_bytes[n.name] = produced
+        elif n.op == "placeholder":
+            self.out_bytes[n.name] = _tensor_bytes(result)
+        return result
+
+
+def estimate_costs(traced: TracedGraph, layers: LayerAssignment, program: ModelProgram,
+                   device_model: DeviceModel, *, scale: float = 1.0) -> CostReport:
+    """Estimate per-unit costs by interpreting the graph on fake tensors.
+
+    Args:
+        traced, layers, program: outputs of the trace, layers and codegen passes.
+        device_model: turns FLOPs and bytes into seconds.
+        scale: factor from the example inputs to one microbatch (``1 / num_microbatch``
+            when the example is a whole batch); applied to activation-sized quantities.
+    """
+    gm = traced.graph_module
+    model_state = traced.state_tensors
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args: list[Any] = []
+    input_iter = iter(traced.example_inputs)
+    with fake_mode:
+        for node in placeholders:
+            value = model_state[node.name] if node.name in model_state else next(input_iter)
+            args.append(fake_mode.from_tensor(value) if isinstance(value, torch.Tensor)
+                        else value)
+    counter = FlopCounterMode(display=False)
+    interp = _CostInterpreter(gm, counter)
+    with fake_mode, counter:
+        try:
+            interp.run(*args)
+        except Exception as e:  # noqa: BLE001 - estimates are optional; fall back to sizes
+            log.warning("roundpipe: cost estimation on fake tensors failed (%s); "
+                        "balancing by node count instead", e)
+            interp.flops = {}
+            interp.traffic = {}
+
+    n_units = len(layers.units)
+    state_by_name = {s.name: s for s in program.state}
+    units: list[UnitCost] = []
+    for unit, unit_program in zip(layers.units, program.units):
+        names = [name for name, u in layers.node_unit.items() if u == unit.index]
+        flops = sum(interp.flops.get(nm, 0) for nm in names)
+        traffic = sum(interp.traffic.get(nm, 0) for nm in names)
+        kernels = sum(1 for nm in names if interp.traffic.get(nm, 1) > 0)
+        activation = sum(interp.out_bytes.get(nm, 0) for nm in names)
+        fwd = (max(flops * scale / device_model.flops_per_s,
+                   traffic * scale / device_model.bytes_per_s)
+               + kernels * device_model.launch_s)
+        params = sum(state_by_name[s].nbytes for s in unit_program.state)
+        trainable = sum(state_by_name[s].nbytes for s in unit_program.state
+                        if state_by_name[s].kind == "parameter"
+                        and model_state[s].requires_grad)
+        units.append(UnitCost(
+            fwd_flops=int(flops * scale),
+            fwd_bytes=int(traffic * scale),
+            fwd_time_s=fwd,
+            bwd_time_s=2.0 * fwd,
+            param_bytes=params,
+            trainable_bytes=trainable,
+            activation_bytes=int(activation * scale),
+            output_bytes=0,
+        ))
+
+    values = _value_infos(gm.graph, layers, traced, interp.out_bytes, n_units, scale)
+    cut_bytes = _cut_bytes(values, n_units)
+    units = [dataclasses.replace(u, output_bytes=cut_bytes[i + 1]) for i, u in enumerate(units)]
+    return CostReport(units=tuple(units), values=values, cut_bytes=cut_bytes)
+
+
+def _value_infos(graph: torch.fx.Graph, layers: LayerAssignment, traced: TracedGraph,
+                 out_bytes: Mapping[str, int], n_units: int, scale: float
+                 ) -> dict[str, ValueInfo]:
+    """Where every value that leaves its unit is defined and read (networkx value graph)."""
+    state = {s.name for s in traced.state}
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.name in state:
+            continue
+        for user in node.users:
+            g.add_edge(node.name, user.name)
+    unit_of = dict(layers.node_unit)
+    infos: dict[str, ValueInfo] = {}
+    outputs = {n.name for n in graph.nodes if n.op == "output"}
+    for name in g.nodes:
+        if name in outputs:
+            continue
+        def_unit = unit_of.get(name, -1)
+        uses = set()
+        for succ in g.successors(name):
+            uses.add(n_units if succ in outputs else unit_of.get(succ, -1))
+        uses.discard(def_unit)
+        if not uses:
+            continue
+        infos[name] = ValueInfo(name=name, def_unit=def_unit, use_units=tuple(sorted(uses)),
+                                nbytes=int(out_bytes.get(name, 0) * scale))
+    return infos
+
+
+def _cut_bytes(values: Mapping[str, ValueInfo], n_units: int) -> tuple[int, ...]:
+    """Bytes live across each cut: cut c lies before unit c (cut n: the model outputs)."""
+    diff = [0] * (n_units + 2)
+    for v in values.values():
+        first = max(v.def_unit + 1, 0)
+        last = max(v.use_units)
+        diff[first] += v.nbytes
+        diff[last + 1] -= v.nbytes
+    cuts, running = [], 0
+    for c in range(n_units + 1):
+        running += diff[c]
+        cuts.append(running)
+    return tuple(cuts)
+
+
+def with_measured_times(costs: tuple[UnitCost, ...], fwd_s: Mapping[int, float],
+                        bwd_s: Mapping[int, float] | None = None) -> tuple[UnitCost, ...]:
+    """Return costs where measured forward/backward seconds replace the estimates."""
+    bwd_s = bwd_s or {}
+    return tuple(dataclasses.replace(c, measured_fwd_s=fwd_s.get(i, c.measured_fwd_s),
+                                     measured_bwd_s=bwd_s.get(i, c.measured_bwd_s))
+                 for i, c in enumerate(costs))

@@ -1,0 +1,224 @@
+"""Pass 2, layers: group graph nodes into layer units.
+
+A *layer unit* is the atom the partitioner cuts between.  The units are:
+
+* the children of every *repeated container* (an ``nn.ModuleList`` / ``nn.Sequential``
+  with at least two children of one type that hold parameters), at any depth; where such a
+  child is itself mostly made of repeated containers (``stages[i].blocks[j]``), the inner
+  children are the units;
+* every other module, at the shallowest path that is not an ancestor of a unit (for
+  ``LlamaForCausalLM``: ``model.embed_tokens``, ``model.rotary_emb``, ``model.norm``,
+  ``lm_head``); a model with no repeated blocks gets one unit per top-level child.
+
+Nodes that run directly in an ancestor's ``forward`` (glue: mask building, residual adds
+between blocks) join the unit before them.  Units are contiguous runs of nodes in graph
+order, so a unit only reads values from earlier units.  A module called twice in separate
+places (weight sharing) becomes two units, ``name`` and ``name#2``.
+
+Writes ``node.meta["roundpipe.unit"]`` and returns a :class:`LayerAssignment`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.fx
+
+from ..plan import LayerUnit
+from .trace import MODULE_PATH, TracedGraph, alias_root
+
+UNIT = "roundpipe.unit"
+
+# A child of a repeated container is replaced by its own inner units when those cover at
+# least this share of its parameters (nested repeats such as stages[i].blocks[j]).
+_NESTED_COVERAGE = 0.5
+
+
+@dataclass(frozen=True)
+class LayerAssignment:
+    """Layer units and the unit of every computing node (by node name)."""
+
+    units: tuple[LayerUnit, ...]
+    node_unit: dict[str, int]
+
+
+def find_unit_roots(model: torch.nn.Module) -> tuple[str, ...]:
+    """Module paths of the repeated blocks of ``model`` (children of repeated containers)."""
+    if _is_repeated(model):
+        return tuple(_expand_children(model, ""))
+    return tuple(_roots_in(model, ""))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _num_params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _is_repeated(module: torch.nn.Module) -> bool:
+    if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return False
+    children = list(module.children())
+    return (len(children) >= 2 and len({type(c) for c in children}) == 1
+            and all(_num_params(c) > 0 for c in children))
+
+
+def _expand_children(container: torch.nn.Module, prefix: str) -> list[str]:
+    roots: list[str] = []
+    for name, child in container.named_children():
+        path = _join(prefix, name)
+        inner = _roots_in(child, path)
+        covered = sum(_num_params(child.get_submodule(r[len(path) + 1:])) for r in inner)
+        total = _num_params(child)
+        if inner and total and covered >= _NESTED_COVERAGE * total:
+            roots.extend(inner)
+        else:
+            roots.append(path)
+    return roots
+
+
+def _roots_in(module: torch.nn.Module, prefix: str) -> list[str]:
+    roots: list[str] = []
+    for name, child in module.named_children():
+        path = _join(prefix, name)
+        if _is_repeated(child):
+            roots.extend(_expand_children(child, path))
+        else:
+            roots.extend(_roots_in(child, path))
+    return roots
+
+
+def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssignment:
+    """Assign every computing node of ``traced`` to a layer unit."""
+    roots = tuple(unit_roots)
+    root_set = set(roots)
+    ancestors = {""}
+    for r in roots:
+        parts = r.split(".")
+        ancestors.update(".".join(parts[:i]) for i in range(1, len(parts)))
+
+    def key_of(path: str) -> str | None:
+        parts = path.split(".") if path else []
+        for i in range(len(parts), 0, -1):  # the innermost enclosing unit root wins
+            prefix = ".".join(parts[:i])
+            if prefix in root_set:
+                return prefix
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix not in ancestors:
+                return prefix
+        return None  # glue: runs in an ancestor of the units (or the root) itself
+
+    graph = traced.graph_module.graph
+    state_names = {s.name for s in traced.state}
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    keys: dict[torch.fx.Node, str | None] = {}
+    for node in nodes:
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(
+                node.args[0], torch.fx.Node) and node.args[0] in keys:
+            keys[node] = keys[node.args[0]]
+        elif node.op == "get_attr":
+            keys[node] = None  # fixed below: joins the unit of its first user
+        else:
+            keys[node] = key_of(node.meta.get(MODULE_PATH, ""))
+    for node in nodes:
+        if node.op == "get_attr" and node.users:
+            keys[node] = keys.get(next(iter(node.users)))
+
+    # Contiguous runs; glue joins the run before it (or the first run).
+    runs: list[tuple[str | None, list[torch.fx.Node]]] = []
+    for node in nodes:
+        key = keys[node]
+        if runs and (key is None or key == runs[-1][0] or runs[-1][0] is None):
+            if runs[-1][0] is None and key is not None:
+                runs[-1] = (key, runs[-1][1])
+            runs[-1][1].append(node)
+        else:
+            runs.append((key, [node]))
+    if not runs:
+        runs = [("model", [])]
+
+    # Units that read no state and are not blocks (activations, dropout, glue modules)
+    # join their neighbour: they cost little and would only clutter the plan.
+    def reads_state(run_nodes: list[torch.fx.Node]) -> bool:
+        return any(isinstance(a, torch.fx.Node) and a.name in state_names
+                   for n in run_nodes for a in n.all_input_nodes)
+
+    merged: list[tuple[str | None, list[torch.fx.Node]]] = []
+    for key, run_nodes in runs:
+        if merged and key not in root_set and not reads_state(run_nodes):
+            merged[-1][1].extend(run_nodes)
+        elif merged and merged[-1][0] not in root_set and not reads_state(merged[-1][1]):
+            merged[-1] = (key, merged[-1][1] + run_nodes)
+        else:
+            merged.append((key, list(run_nodes)))
+    merged = _merge_cross_unit_writes(merged)
+
+    first_block = next((i for i, (k, _) in enumerate(merged) if k in root_set), None)
+    last_block = max((i for i, (k, _) in enumerate(merged) if k in root_set), default=None)
+    seen: dict[str, int] = {}
+    units: list[LayerUnit] = []
+    node_unit: dict[str, int] = {}
+    for index, (key, run_nodes) in enumerate(merged):
+        base = key or "model"
+        seen[base] = seen.get(base, 0) + 1
+        name = base if seen[base] == 1 else f"{base}#{seen[base]}"
+        if key in root_set:
+            kind = "block"
+        elif first_block is None:
+            kind = "module"
+        elif index < first_block:
+            kind = "prologue"
+        elif last_block is not None and index > last_block:
+            kind = "epilogue"
+        else:
+            kind = "module"
+        paths = tuple(dict.fromkeys(n.meta.get(MODULE_PATH, "") for n in run_nodes
+                                    if n.meta.get(MODULE_PATH)))
+        units.append(LayerUnit(index=index, name=name, kind=kind,  # type: ignore[arg-type]
+                               module_paths=paths, num_nodes=len(run_nodes)))
+        for node in run_nodes:
+            node.meta[UNIT] = index
+            node_unit[node.name] = index
+    return LayerAssignment(units=tuple(units), node_unit=node_unit)
+
+
+def _merge_cross_unit_writes(
+    runs: list[tuple[str | None, list[torch.fx.Node]]]
+) -> list[tuple[str | None, list[torch.fx.Node]]]:
+    """Merge units so that no node writes in place to a value another unit defined.
+
+    Units exchange values as copies, so an in-place write must stay with the definition.
+    """
+    run_of = {n: i for i, (_, ns) in enumerate(runs) for n in ns}
+    reach = list(range(len(runs)))  # reach[i]: the first run that run i must merge with
+    for i, (_, run_nodes) in enumerate(runs):
+        for node in run_nodes:
+            schema = getattr(node.target, "_schema", None)
+            if node.op != "call_function" or schema is None:
+                continue
+            for j, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = node.args[j] if j < len(node.args) else node.kwargs.get(arg.name)
+                if not isinstance(value, torch.fx.Node):
+                    continue
+                base = alias_root(value)
+                if base in run_of and run_of[base] < i:
+                    reach[i] = min(reach[i], run_of[base])
+    join_previous = [False] * len(runs)
+    for i, r in enumerate(reach):
+        for k in range(r + 1, i + 1):
+            join_previous[k] = True
+    out: list[tuple[str | None, list[torch.fx.Node]]] = []
+    for i, (key, run_nodes) in enumerate(runs):
+        if join_previous[i] and out:
+            out[-1] = (out[-1][0], out[-1][1] + list(run_nodes))
+        else:
+            out.append((key, list(run_nodes)))
+    return out

@@ -1,0 +1,525 @@
+"""Pass 1, trace: turn an ``nn.Module`` into one flat graph with explicit state.
+
+Before::
+
+    model(idx, attention_mask=m)          # any nn.Module, any Python
+
+After (``TracedGraph.graph_module``)::
+
+    p_wte_weight, ..., b_bn_running_mean, ..., idx, attention_mask = placeholders
+    embedding = aten.embedding(p_wte_weight, idx)
+    ...
+    return (linear_8, transpose_3)        # flat outputs; ``out_spec`` rebuilds the structure
+
+Every parameter, buffer and constant tensor is a placeholder (a *state slot*); tied tensors
+share one slot (deduplicated by tensor identity, not by name).  Each node carries
+``meta["roundpipe.module_path"]`` (the innermost module that ran it) and, for in-place
+writes to state, ``meta["roundpipe.mutates"]``.
+
+``torch.export.export(strict=False)`` is tried first with every input dimension marked
+``Dim.AUTO`` (export keeps what it can dynamic), then with static shapes, then
+``torch.fx`` symbolic tracing where the layer units are opaque leaves, called through
+``torch.func.functional_call`` so their state stays explicit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import operator
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.export import Dim, ShapesCollection
+from torch.export.graph_signature import InputKind, OutputKind
+
+from ..errors import ModelError, TraceError
+from ..plan import InputSignature, OutputRef, StateSpec
+from ..runtime.modcall import call_module_functional
+
+log = logging.getLogger(__name__)
+
+MODULE_PATH = "roundpipe.module_path"
+MUTATES = "roundpipe.mutates"
+
+
+@dataclass(frozen=True)
+class TracedGraph:
+    """Result of the trace pass.
+
+    Attributes:
+        graph_module: flat graph; placeholders are state slots (``state`` order) followed
+            by user inputs.
+        state: state slots, in placeholder order.
+        inputs: how user ``(args, kwargs)`` map onto the flat user inputs.
+        outputs: flat model outputs.
+        out_spec: pytree spec rebuilding the model's output structure.
+        buffer_updates: ``(state name, value name)`` for buffers the model reassigns
+            (export's BUFFER_MUTATION outputs).
+        constants: values of ``"constant"`` state slots.
+        state_tensors: the tensor behind every state slot (the model's own parameters and
+            buffers, not copies).
+        example_inputs: flat example inputs, aligned with ``inputs.names``.
+        method: ``"export"``, ``"export-static"`` or ``"fx"``.
+        notes: what was tried and why a fallback was used.
+    """
+
+    graph_module: torch.fx.GraphModule
+    state: tuple[StateSpec, ...]
+    inputs: InputSignature
+    outputs: tuple[OutputRef, ...]
+    out_spec: Any
+    buffer_updates: tuple[tuple[str, str], ...]
+    constants: dict[str, torch.Tensor]
+    state_tensors: dict[str, torch.Tensor]
+    example_inputs: tuple[Any, ...]
+    method: str
+    notes: tuple[str, ...] = ()
+
+
+def trace(
+    model: torch.nn.Module,
+    example_args: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    leaf_modules: Iterable[str] = (),
+    dynamic: bool = True,
+) -> TracedGraph:
+    """Trace ``model`` on the example inputs.
+
+    Args:
+        model: the model, on the CPU.
+        example_args, example_kwargs: one example call.
+        leaf_modules: module paths kept opaque by the ``torch.fx`` fallback (the layer
+            units found by :func:`roundpipe.passes.layers.find_unit_roots`).
+        dynamic: try dynamic shapes first.
+
+    Raises:
+        ModelError: the model has no parameters.
+        TraceError: every tracer failed; the message names the failing source line and
+            lists what was tried.
+    """
+    example_kwargs = dict(example_kwargs or {})
+    if not any(True for _ in model.parameters()):
+        raise ModelError(
+            f"{type(model).__name__} has no parameters, so there is nothing to pipeline; "
+            "roundpipe streams weights to devices, use the model directly instead"
+        )
+    attempts: list[tuple[str, BaseException]] = []
+    tries: list[tuple[str, Callable[[], TracedGraph]]] = []
+    if dynamic:
+        tries.append(("export", lambda: _trace_export(model, example_args, example_kwargs, True)))
+    tries.append(("export-static",
+                  lambda: _trace_export(model, example_args, example_kwargs, False)))
+    tries.append(("fx", lambda: _trace_fx(model, example_args, example_kwargs,
+                                          frozenset(leaf_modules))))
+    for method, attempt in tries:
+        try:
+            traced = attempt()
+        except (ModelError, TraceError):
+            raise
+        except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
+            log.info("roundpipe: %s tracing of %s failed: %s", method, type(model).__name__,
+                     _first_line(e))
+            attempts.append((method, e))
+            continue
+        notes = tuple(f"{m} failed: {_describe(e)}" for m, e in attempts)
+        if notes:
+            log.info("roundpipe: traced %s with %s after: %s", type(model).__name__, method,
+                     "; ".join(notes))
+        return dataclasses.replace(traced, notes=notes)
+    raise TraceError(_trace_failure_message(model, attempts)) from attempts[-1][1]
+
+
+# --- torch.export ----------------------------------------------------------------------
+
+def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  dynamic: bool) -> TracedGraph:
+    dynamic_shapes = None
+    if dynamic:
+        shapes = ShapesCollection()
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                shapes[leaf] = {d: Dim.AUTO for d in range(leaf.dim())}
+        dynamic_shapes = shapes.dynamic_shapes(model, args, kwargs)
+    hook = model.register_forward_hook(_register_output_dataclasses)
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                 strict=False)
+    finally:
+        hook.remove()
+    gm = ep.graph_module
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    sig = ep.graph_signature
+
+    # State slots, deduplicated by tensor identity (tied weights keep one placeholder).
+    named = _named_state(model)
+    slot_of_tensor: dict[int, torch.fx.Node] = {}
+    state: list[StateSpec] = []
+    constants: dict[str, torch.Tensor] = {}
+    state_tensors: dict[str, torch.Tensor] = {}
+    user_inputs: list[torch.fx.Node] = []
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(node)
+            continue
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            tensor = (model.get_parameter(spec.target) if spec.kind == InputKind.PARAMETER
+                      else model.get_buffer(spec.target))
+            kind = "parameter" if spec.kind == InputKind.PARAMETER else "buffer"
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            tensor = ep.constants[spec.target]
+            kind = "constant"
+        else:
+            raise TraceError(
+                f"torch.export produced an input of kind {spec.kind.name} "
+                f"({node.name}), which roundpipe does not support yet"
+            )
+        canonical = slot_of_tensor.get(id(tensor))
+        if canonical is not None:
+            node.replace_all_uses_with(canonical)
+            graph.erase_node(node)
+            continue
+        slot_of_tensor[id(tensor)] = node
+        fqn, aliases = named.get(id(tensor), (spec.target, ()))
+        if kind == "constant":
+            constants[node.name] = tensor
+        state_tensors[node.name] = tensor
+        state.append(_state_spec(node.name, fqn, aliases, kind, tensor))
+
+    # Outputs: user outputs (values or constants) and reassigned buffers.
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    flat_out = list(out_node.args[0])
+    outputs: list[OutputRef] = []
+    buffer_updates: list[tuple[str, str]] = []
+    state_name_by_fqn = {s.fqn: s.name for s in state}
+    for alias_spec in state:
+        for alias in alias_spec.aliases:
+            state_name_by_fqn[alias] = alias_spec.name
+    for value, spec in zip(flat_out, sig.output_specs):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            outputs.append(OutputRef(value.name) if isinstance(value, torch.fx.Node)
+                           else OutputRef(None, value))
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            buffer_updates.append((state_name_by_fqn[spec.target], value.name))
+        else:
+            raise TraceError(
+                f"torch.export produced an output of kind {spec.kind.name} "
+                f"({getattr(value, 'name', value)}); roundpipe supports user outputs and "
+                "buffer updates only (a model that mutates its inputs in place is one cause)"
+            )
+
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.meta[MODULE_PATH] = _module_path(node)
+    _mark_state_mutations(graph, {s.name for s in state if s.kind == "buffer"})
+    gm.recompile()
+
+    flat_inputs, in_spec = pytree.tree_flatten((args, kwargs))
+    names = tuple(n.name if n.users else None for n in user_inputs)
+    if len(flat_inputs) != len(user_inputs):
+        raise TraceError(
+            f"torch.export produced {len(user_inputs)} user inputs for "
+            f"{len(flat_inputs)} flattened example inputs"
+        )
+    static = tuple(_static_signature(x, node) for x, node in zip(flat_inputs, user_inputs))
+    return TracedGraph(
+        graph_module=gm,
+        state=tuple(state),
+        inputs=InputSignature("pytree", in_spec, (), (), names, static),
+        outputs=tuple(outputs),
+        out_spec=ep.call_spec.out_spec,
+        buffer_updates=tuple(buffer_updates),
+        constants=constants,
+        state_tensors=state_tensors,
+        example_inputs=tuple(flat_inputs),
+        method="export" if dynamic else "export-static",
+    )
+
+
+def _register_output_dataclasses(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Forward hook: make plain dataclass outputs pytree nodes before export flattens them."""
+    def visit(obj: Any) -> None:
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            cls = type(obj)
+            if cls not in pytree.SUPPORTED_NODES:
+                torch.export.register_dataclass(
+                    cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+            for f in dataclasses.fields(obj):
+                visit(getattr(obj, f.name))
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item)
+    visit(output)
+
+
+def _static_signature(value: Any, node: torch.fx.Node | None) -> Any:
+    """What a later call must match: dtype and the dims the trace specialised."""
+    if not isinstance(value, torch.Tensor):
+        return ("const", value)
+    val = node.meta.get("val") if node is not None else None
+    if isinstance(val, torch.Tensor):
+        dims = tuple(d if isinstance(d, int) else None for d in val.shape)
+    else:
+        dims = tuple(value.shape)
+    return ("tensor", value.dtype, dims)
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _normalize_path(path)
+
+
+def _normalize_path(path: str) -> str:
+    """Turn Dynamo-style paths (``L['self'].h[0].attn``) into ``h.0.attn``."""
+    if path.startswith("L['self']"):
+        path = path[len("L['self']"):].lstrip(".")
+        path = path.replace("[", ".").replace("]", "").replace("'", "")
+    if path.startswith("_empty_nn_module_stack"):
+        return ""
+    return path
+
+
+# Ops whose schema hides an in-place write (CompositeImplicit ops with running stats).
+_HIDDEN_WRITES: dict[Any, Callable[[torch.fx.Node], tuple[Any, ...]]] = {
+    torch.ops.aten.batch_norm.default:
+        lambda n: (n.args[3], n.args[4]) if _arg(n, 5, "training", False) else (),
+    torch.ops.aten.instance_norm.default:
+        lambda n: (n.args[3], n.args[4]) if _arg(n, 5, "use_input_stats", False) else (),
+}
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _mark_state_mutations(graph: torch.fx.Graph, buffers: set[str]) -> None:
+    """Record in ``meta[MUTATES]`` which buffers a node writes in place."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        written: list[Any] = []
+        hidden = _HIDDEN_WRITES.get(node.target)
+        if hidden is not None:
+            written.extend(hidden(node))
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    written.append(_arg(node, i, arg.name, None))
+        roots = {alias_root(w).name for w in written if isinstance(w, torch.fx.Node)}
+        mutated = tuple(sorted(r for r in roots if r in buffers))
+        if mutated:
+            node.meta[MUTATES] = mutated
+
+
+def alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow view ops (outputs aliasing their first input) back to the base value."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            break
+        if not node.args or not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+# --- torch.fx fallback -----------------------------------------------------------------
+
+class _LeafTracer(torch.fx.Tracer):
+    """Symbolic tracer that keeps the layer units (and torch's own modules) opaque."""
+
+    def __init__(self, leaves: frozenset[str]) -> None:
+        super().__init__()
+        self._leaves = leaves
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self._leaves or super().is_leaf_module(
+            m, module_qualified_name)
+
+
+def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              leaves: frozenset[str]) -> TracedGraph:
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    params = [p for p in sig.parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(params) != len(sig.parameters):
+        raise TraceError("the torch.fx fallback cannot trace a forward with *args/**kwargs")
+    # Non-tensor arguments (and arguments left at their default) are specialised.
+    values = {p.name: bound.arguments.get(p.name, p.default) for p in params}
+    concrete = {name: v for name, v in values.items() if not isinstance(v, torch.Tensor)}
+    tracer = _LeafTracer(leaves)
+    graph = tracer.trace(model, concrete_args=concrete)
+    gm = torch.fx.GraphModule(model, graph)
+    graph = gm.graph
+
+    named = _named_state(model)
+    state: list[StateSpec] = []
+    constants: dict[str, torch.Tensor] = {}
+    state_tensors: dict[str, torch.Tensor] = {}
+    slot_of_tensor: dict[int, torch.fx.Node] = {}
+    first_input = next(n for n in graph.nodes if n.op == "placeholder")
+
+    def slot_for(tensor: torch.Tensor, kind: str, fallback_name: str) -> torch.fx.Node:
+        node = slot_of_tensor.get(id(tensor))
+        if node is None:
+            fqn, aliases = named.get(id(tensor), (fallback_name, ()))
+            prefix = {"parameter": "p_", "buffer": "b_", "constant": "c_"}[kind]
+            with graph.inserting_before(first_input):
+                node = graph.placeholder(prefix + fqn.replace(".", "_"))
+            slot_of_tensor[id(tensor)] = node
+            if kind == "constant":
+                constants[node.name] = tensor
+            state_tensors[node.name] = tensor
+            state.append(_state_spec(node.name, fqn, aliases, kind, tensor))
+        return node
+
+    param_ids = {id(p) for p in model.parameters()}
+    buffer_ids = {id(b) for b in model.buffers()}
+
+    def kind_of(tensor: torch.Tensor) -> str:
+        return ("parameter" if id(tensor) in param_ids
+                else "buffer" if id(tensor) in buffer_ids else "constant")
+
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            attr = _get_attr(gm, node.target)
+            if isinstance(attr, torch.Tensor):
+                slot = slot_for(attr, kind_of(attr), node.target)
+                node.replace_all_uses_with(slot)
+                graph.erase_node(node)
+        elif node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            mapping: dict[str, torch.fx.Node] = {}
+            for local, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
+                    module.named_buffers(remove_duplicate=False)):
+                mapping[local] = slot_for(tensor, kind_of(tensor), f"{node.target}.{local}")
+            with graph.inserting_before(node):
+                mod_ref = graph.get_attr(node.target)
+                call = graph.call_function(call_module_functional,
+                                           (mod_ref, mapping) + tuple(node.args),
+                                           dict(node.kwargs))
+            call.meta = dict(node.meta)
+            call.meta[MODULE_PATH] = node.target
+            if module.training:
+                mutated = tuple(sorted(mapping[local].name for local, _ in
+                                       module.named_buffers(remove_duplicate=False)))
+                if mutated:
+                    call.meta[MUTATES] = mutated
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method") and MODULE_PATH not in node.meta:
+            node.meta[MODULE_PATH] = _module_path(node)
+
+    # Flat outputs from the returned structure.
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    flat_out, out_spec = pytree.tree_flatten(out_node.args[0])
+    outputs = tuple(OutputRef(v.name) if isinstance(v, torch.fx.Node) else OutputRef(None, v)
+                    for v in flat_out)
+    out_node.args = (tuple(flat_out),)
+    gm.recompile()
+
+    input_nodes = [n for n in graph.nodes if n.op == "placeholder"
+                   and n not in slot_of_tensor.values()]
+    by_target = {n.target: n for n in input_nodes}
+    names = tuple(by_target[p.name].name if p.name in by_target
+                  and by_target[p.name].users and p.name not in concrete else None
+                  for p in params)
+    flat_inputs = tuple(values[p.name] for p in params)
+    static = tuple(("tensor", v.dtype, tuple(None for _ in v.shape))
+                   if isinstance(v, torch.Tensor) else ("const", v) for v in flat_inputs)
+    defaults = tuple(p.default for p in params)
+    return TracedGraph(
+        graph_module=gm,
+        state=tuple(state),
+        inputs=InputSignature("signature", None, tuple(p.name for p in params), defaults,
+                              names, static),
+        outputs=outputs,
+        out_spec=out_spec,
+        buffer_updates=(),
+        constants=constants,
+        state_tensors=state_tensors,
+        example_inputs=flat_inputs,
+        method="fx",
+    )
+
+
+def _get_attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --- shared helpers --------------------------------------------------------------------
+
+def _named_state(model: torch.nn.Module) -> dict[int, tuple[str, tuple[str, ...]]]:
+    """Map tensor identity to (canonical name, other names) for parameters and buffers."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(tensor), []).append(name)
+    return {k: (v[0], tuple(v[1:])) for k, v in names.items()}
+
+
+def _state_spec(name: str, fqn: str, aliases: tuple[str, ...], kind: str,
+                tensor: torch.Tensor) -> StateSpec:
+    return StateSpec(name=name, fqn=fqn, aliases=aliases, kind=kind,  # type: ignore[arg-type]
+                     shape=tuple(tensor.shape), dtype=tensor.dtype,
+                     nbytes=tensor.numel() * tensor.element_size())
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _user_frame(e: BaseException) -> str | None:
+    """The innermost traceback frame outside torch and roundpipe: the user's source line."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(os.path.dirname(__file__))
+    frames = traceback.extract_tb(e.__traceback__)
+    for frame in reversed(frames):
+        if not frame.filename.startswith((torch_dir, here)) and "<" not in frame.filename:
+            return f'{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or "").strip()}'
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    where = _user_frame(e)
+    return _first_line(e) + (f" (at {where})" if where else "")
+
+
+def _trace_failure_message(model: torch.nn.Module, attempts: list[tuple[str, BaseException]]
+                           ) -> str:
+    lines = [f"could not trace {type(model).__name__}; tried:"]
+    for method, e in attempts:
+        lines.append(f"  - {method}: {_describe(e)}")
+    lines.append(
+        "Make the failing line traceable (avoid data-dependent Python control flow, or "
+        "move it into a submodule of a repeated block so the torch.fx fallback keeps it "
+        "opaque), or pass example inputs that match real calls."
+    )
+    return "\n".join(lines)
+
+
+def is_getitem(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

@@ -1,0 +1,358 @@
+"""The stage plan: what the compiler produces and the runtime executes.
+
+Data only.  The runtime imports this module and torch, never the compiler passes, so a
+hand-written :class:`StagePlan` runs as well as a compiled one.
+
+Vocabulary:
+
+* a *value* is a node of the traced graph, named by the node's name; values cross unit
+  boundaries through a per-microbatch store on the host.
+* a *state slot* is a parameter, buffer or constant tensor of the model; programs receive
+  state as explicit inputs (nothing is captured), so the runtime can pass device copies.
+* a *unit* is a layer unit (a repeated block, a prologue or an epilogue); it is the atom of
+  partitioning, of recompute, of gradient accumulation and of dropout seeding.
+* a *stage* is a contiguous range of units executed as one job on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import torch
+from tabulate import tabulate
+
+StageKind = Literal["fwd", "fused", "bwd"]
+StateKind = Literal["parameter", "buffer", "constant"]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state slot (parameter, buffer or constant) of the traced model.
+
+    Attributes:
+        name: placeholder name used by the programs.
+        fqn: canonical name in the model (as ``named_parameters()`` / ``named_buffers()``
+            yield it); tied tensors have one slot, the other names are in ``aliases``.
+        aliases: other fully-qualified names of the same tensor.
+        kind: ``"parameter"``, ``"buffer"`` or ``"constant"`` (a tensor created inside
+            ``forward``; its value is stored in ``ModelProgram.constants``).
+        shape, dtype, nbytes: metadata of the tensor at trace time.
+        units: indices of the layer units that read it.
+    """
+
+    name: str
+    fqn: str
+    aliases: tuple[str, ...]
+    kind: StateKind
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    units: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class UnitProgram:
+    """The generated program of one layer unit.
+
+    ``module(*inputs, *state, [device], [rng])`` returns a tuple with one entry per name in
+    ``outputs``.  ``device`` is passed when ``needs_device`` (factory ops such as
+    ``arange`` create tensors on the executing device); ``rng`` is a
+    :class:`roundpipe.runtime.rng.RngKey` passed when ``needs_rng``.
+    """
+
+    index: int
+    name: str
+    module: torch.nn.Module
+    inputs: tuple[str, ...]
+    state: tuple[str, ...]
+    outputs: tuple[str, ...]
+    mutated_state: tuple[str, ...] = ()
+    needs_device: bool = False
+    needs_rng: bool = False
+
+
+@dataclass(frozen=True)
+class OutputRef:
+    """One flat model output: a value name, or a constant when ``value`` is None."""
+
+    value: str | None
+    constant: Any = None
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """How user ``(args, kwargs)`` map onto the program's flat input values.
+
+    Attributes:
+        kind: ``"pytree"``: flatten ``(args, kwargs)`` with ``spec`` (torch.export);
+            ``"signature"``: bind to ``forward``'s parameters ``params`` (torch.fx), each
+            bound argument is one flat input.
+        spec: the pytree spec of ``(args, kwargs)`` for ``"pytree"``.
+        params: ordered ``forward`` parameter names for ``"signature"``.
+        defaults: default values of those parameters (``inspect.Parameter.empty`` if none).
+        names: value name of each flat input (``None`` for an input the graph never reads).
+        static: per flat input, what a new call must match to reuse this program: for a
+            tensor, ``(dtype, shape)`` with ``None`` for dynamic dimensions; otherwise the
+            constant value the trace specialised on.
+    """
+
+    kind: Literal["pytree", "signature"]
+    spec: Any
+    params: tuple[str, ...]
+    defaults: tuple[Any, ...]
+    names: tuple[str | None, ...]
+    static: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class ModelProgram:
+    """The traced model cut into unit programs."""
+
+    units: tuple[UnitProgram, ...]
+    state: tuple[StateSpec, ...]
+    inputs: InputSignature
+    outputs: tuple[OutputRef, ...]
+    out_spec: Any
+    buffer_updates: tuple[tuple[str, str], ...] = ()
+    constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    trace_method: str = "export"
+
+    def state_by_name(self) -> dict[str, StateSpec]:
+        return {s.name: s for s in self.state}
+
+
+@dataclass(frozen=True)
+class LayerUnit:
+    """A layer unit as the plan table shows it."""
+
+    index: int
+    name: str
+    kind: Literal["prologue", "block", "epilogue", "module"]
+    module_paths: tuple[str, ...]
+    num_nodes: int
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Cost estimate of one layer unit, for one microbatch.
+
+    Attributes:
+        fwd_flops: forward floating-point operations (FlopCounterMode on fake tensors).
+        fwd_bytes: forward memory traffic (bytes read and written by every op).
+        fwd_time_s, bwd_time_s: estimated forward and backward (without recompute) times.
+        param_bytes: bytes of the state the unit reads (a tied weight counts once per unit).
+        trainable_bytes: bytes of the parameters that require grad.
+        activation_bytes: bytes of every value the unit produces (its autograd footprint).
+        output_bytes: bytes of the values live across the cut right after this unit.
+        measured_fwd_s, measured_bwd_s: times measured by the runtime, when fed back.
+    """
+
+    fwd_flops: int
+    fwd_bytes: int
+    fwd_time_s: float
+    bwd_time_s: float
+    param_bytes: int
+    trainable_bytes: int
+    activation_bytes: int
+    output_bytes: int
+    measured_fwd_s: float | None = None
+    measured_bwd_s: float | None = None
+
+    @property
+    def fwd_s(self) -> float:
+        return self.measured_fwd_s if self.measured_fwd_s is not None else self.fwd_time_s
+
+    @property
+    def bwd_s(self) -> float:
+        return self.measured_bwd_s if self.measured_bwd_s is not None else self.bwd_time_s
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of the plan, in execution order.
+
+    Attributes:
+        index: position in execution order (forward stages, the fused tail, then backward
+            stages from the last units to the first).
+        kind: ``"fwd"``, ``"fused"`` (forward + loss + backward, never recomputed) or
+            ``"bwd"`` (recompute + backward).
+        units: ``(start, stop)`` range of layer units.
+        unit_names: compact rendering, e.g. ``"wte, h.0-5"``.
+        param_bytes: bytes of state uploaded for the stage.
+        est_time_s: estimated time per microbatch (measured unit times when available).
+        act_in_bytes, act_out_bytes: activation bytes entering / leaving per microbatch.
+        memory_bytes: estimated device memory for one job (state, gradients, activations
+            of one microbatch).
+        recompute: ``"none"`` for forward and fused stages, else the default grain.
+        reason: why the stage boundary is where it is.
+    """
+
+    index: int
+    kind: StageKind
+    units: tuple[int, int]
+    unit_names: str
+    param_bytes: int
+    est_time_s: float
+    act_in_bytes: int
+    act_out_bytes: int
+    memory_bytes: int
+    recompute: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The compiled plan: layer units, their costs, the stages, and the programs.
+
+    ``str(plan)`` renders the table; ``plan.to_dict()`` is JSON-ready;
+    ``plan.stage_code(i)`` shows the generated code of stage ``i``.
+    """
+
+    program: ModelProgram
+    units: tuple[LayerUnit, ...]
+    costs: tuple[UnitCost, ...]
+    stages: tuple[StageSpec, ...]
+    stage_modules: tuple[torch.nn.Module, ...]
+    stash: Mapping[str, tuple[tuple[str, ...], ...]]
+    num_devices: int
+    num_microbatch: int
+    memory_cap: int | None
+    est_step_time_s: float
+    passes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    # --- views -------------------------------------------------------------------------
+    @property
+    def forward_stages(self) -> tuple[StageSpec, ...]:
+        return tuple(s for s in self.stages if s.kind == "fwd")
+
+    @property
+    def fused_stage(self) -> StageSpec:
+        return next(s for s in self.stages if s.kind == "fused")
+
+    @property
+    def backward_stages(self) -> tuple[StageSpec, ...]:
+        return tuple(s for s in self.stages if s.kind == "bwd")
+
+    @property
+    def bottleneck_ratio(self) -> float:
+        """Largest stage time over the ideal (total time / number of stages)."""
+        times = [s.est_time_s for s in self.stages]
+        ideal = sum(times) / len(times) if times else 0.0
+        return max(times) / ideal if ideal > 0 else 1.0
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """Memory a device needs: the two largest stages (current + prefetched)."""
+        sizes = sorted((s.memory_bytes for s in self.stages), reverse=True)
+        return sum(sizes[:2])
+
+    def stage_code(self, index: int) -> str:
+        """Readable generated code of stage ``index`` and of the unit programs it calls."""
+        if not 0 <= index < len(self.stages):
+            raise IndexError(f"stage {index} does not exist; the plan has {len(self.stages)}")
+        stage = self.stages[index]
+        module = self.stage_modules[index]
+        lines = [
+            f"# stage {stage.index} ({stage.kind}): units {stage.unit_names}",
+            f"# generated by roundpipe passes: {' -> '.join(self.passes)}",
+            _module_code(module, f"Stage{stage.index}"),
+        ]
+        for u in range(*stage.units):
+            unit = self.program.units[u]
+            lines.append(f"# unit {u}: {unit.name}")
+            lines.append(_module_code(unit.module, f"Unit{u}"))
+        return "\n".join(lines)
+
+    # --- rendering ---------------------------------------------------------------------
+    def table_rows(self) -> list[list[Any]]:
+        return [
+            [
+                s.index,
+                s.kind,
+                s.unit_names,
+                f"{s.param_bytes / MiB:.2f}",
+                _fmt_time(s.est_time_s),
+                f"{s.act_in_bytes / MiB:.2f} / {s.act_out_bytes / MiB:.2f}",
+                s.recompute,
+            ]
+            for s in self.stages
+        ]
+
+    def summary(self) -> str:
+        n_f, n_b = len(self.forward_stages), len(self.backward_stages)
+        return (
+            f"{len(self.stages)} stages ({n_f} fwd, 1 fused, {n_b} bwd) over "
+            f"{len(self.units)} units on {self.num_devices} device(s), "
+            f"{self.num_microbatch} microbatches; largest stage {self.bottleneck_ratio:.2f}x "
+            f"the ideal balance; device memory needed {self.device_memory_bytes / MiB:.1f} MiB"
+            + (f" (cap {self.memory_cap / MiB:.1f} MiB per stage)" if self.memory_cap else "")
+        )
+
+    def __str__(self) -> str:
+        headers = ["stage", "kind", "units", "params (MiB)", "est. time",
+                   "act in/out (MiB)", "recompute"]
+        return tabulate(self.table_rows(), headers=headers, disable_numparse=True) + "\n" + self.summary()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description of the plan (no programs)."""
+        return json.loads(json.dumps({
+            "num_devices": self.num_devices,
+            "num_microbatch": self.num_microbatch,
+            "memory_cap": self.memory_cap,
+            "est_step_time_s": self.est_step_time_s,
+            "bottleneck_ratio": self.bottleneck_ratio,
+            "device_memory_bytes": self.device_memory_bytes,
+            "trace_method": self.program.trace_method,
+            "passes": list(self.passes),
+            "notes": list(self.notes),
+            "units": [dataclasses.asdict(u) for u in self.units],
+            "costs": [dataclasses.asdict(c) for c in self.costs],
+            "stages": [dataclasses.asdict(s) for s in self.stages],
+        }))
+
+
+def _module_code(module: torch.nn.Module, title: str) -> str:
+    code = getattr(module, "code", None)
+    if code is None:
+        return f"# {title}: {type(module).__name__} (not a GraphModule)"
+    body = "\n".join("    " + line for line in code.strip("\n").splitlines() if line.strip())
+    return f"class {title}(torch.nn.Module):\n{body}"
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+_INDEXED = re.compile(r"^(.*?)(\d+)$")
+
+
+def compact_unit_names(names: list[str]) -> str:
+    """Render unit names compactly: ``["wte", "h.0", "h.1", "h.2"] -> "wte, h.0-2"``."""
+    out: list[str] = []
+    run_prefix: str | None = None
+    run_start = run_end = -1
+    for name in names + [""]:
+        m = _INDEXED.match(name)
+        if m and m.group(1) == run_prefix and int(m.group(2)) == run_end + 1:
+            run_end += 1
+            continue
+        if run_prefix is not None:
+            out.append(f"{run_prefix}{run_start}" if run_start == run_end
+                       else f"{run_prefix}{run_start}-{run_end}")
+            run_prefix = None
+        if m:
+            run_prefix, run_start, run_end = m.group(1), int(m.group(2)), int(m.group(2))
+        elif name:
+            out.append(name)
+    return ", ".join(out)

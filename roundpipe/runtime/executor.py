@@ -1,0 +1,707 @@
+"""The executor: runs one call of a stage plan as jobs dispatched round-robin to devices.
+
+A *job* is one stage x all microbatches on one device.  Job ``k`` runs on device
+``k % D``; its microbatch ``i`` starts when job ``k-1`` finished microbatch ``i``.  A job
+uploads its stage's state once, runs every microbatch, then downloads gradients once.
+Values cross jobs through a per-microbatch store in host memory.
+
+Numerics do not depend on the stage cuts or the device count, because the unit, not the
+stage, is the unit of autograd:
+
+* in backward and fused jobs every layer unit runs as its own autograd graph, its inputs
+  (activations and parameters) being fresh leaves;
+* the gradient of a value read by several units is folded in descending unit order,
+  whether the readers share a job or not;
+* parameter gradients accumulate per (parameter, unit) over microbatches on the device and
+  are folded into the masters in descending unit order at commit.
+
+Nothing is committed to host state until every job succeeded; a failing call leaves
+weights, gradients and buffers as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import LossError, RoundPipeError, StageError
+from ..plan import StagePlan, UnitProgram
+from .devices import Device, DeviceCounters
+from .host_state import HostState
+from .rng import RngKey
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class _Aborted(Exception):
+    """Raised in a job when an upstream job failed or the call was interrupted."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One job of the timeline reported by ``pipe.stats()``."""
+
+    job: int
+    stage: int
+    kind: str
+    units: str
+    device: str
+    start_s: float
+    end_s: float
+    microbatches: int
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """Counters of the last call: transfers and peak residency per device, the timeline,
+    and measured per-unit seconds (summed over microbatches)."""
+
+    devices: tuple[DeviceCounters, ...]
+    timeline: tuple[JobRecord, ...]
+    unit_fwd_s: dict[int, float]
+    unit_bwd_s: dict[int, float]
+    wall_s: float
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return sum(d.bytes_uploaded for d in self.devices)
+
+    @property
+    def bytes_downloaded(self) -> int:
+        return sum(d.bytes_downloaded for d in self.devices)
+
+
+@dataclass
+class Job:
+    index: int
+    stage: int          # index in plan.stages, or -1 for jobs made up for forward()
+    kind: str           # "fwd", "fused" or "bwd"
+    start: int
+    stop: int
+    reads: tuple[str, ...] = ()     # host values it reads (bwd: the stash)
+    publishes: frozenset[str] = frozenset()  # values it writes to the host store
+
+
+@dataclass
+class RunResult:
+    """What a call produced; committed by the caller once the optimizer allows it."""
+
+    losses: list[torch.Tensor | None]
+    outputs: list[list[Any]] | None
+    param_grads: dict[str, list[tuple[int, torch.Tensor]]]
+    buffers: dict[str, torch.Tensor]
+    input_grads: list[dict[str, torch.Tensor]] | None
+    stats: RunStats
+    stash: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class _Call:
+    """Shared state of one call across its jobs."""
+
+    mode: str                       # "train", "forward" or "backward"
+    num_mb: int
+    grain: str
+    keys: list[RngKey | None]
+    store: list[dict[str, Any]]     # host values per microbatch
+    grads: list[dict[str, torch.Tensor]]  # host gradients of values per microbatch
+    labels: list[Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    want_outputs: bool
+    fence_version: int
+    carries: frozenset[str]         # values (and state slots) through which grads flow
+    abort: threading.Event
+    done: dict[tuple[int, int], Future]
+    losses: list[torch.Tensor | None]
+    param_grads: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    timeline: list[JobRecord] = field(default_factory=list)
+    unit_fwd_s: dict[int, float] = field(default_factory=dict)
+    unit_bwd_s: dict[int, float] = field(default_factory=dict)
+    t0: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Executor:
+    """Runs calls of one :class:`StagePlan` on a pool of devices."""
+
+    def __init__(self, plan: StagePlan, host: HostState, devices: Sequence[Device]) -> None:
+        self.plan = plan
+        self.program = plan.program
+        self.host = host
+        self.devices = list(devices)
+        self.units = self.program.units
+        self._output_values = [o.value for o in self.program.outputs if o.value is not None]
+        self._buffer_update = {v: slot for slot, v in self.program.buffer_updates}
+        self._producer: dict[str, int] = {}
+        for unit in self.units:
+            for v in unit.outputs:
+                self._producer[v] = unit.index
+        self._carries_cache: dict[Any, frozenset[str]] = {}
+
+    # --- public entry points -------------------------------------------------------------
+    def train(self, inputs: list[dict[str, Any]], labels: list[Any], loss_fn: Callable,
+              *, grain: str, want_outputs: bool, keys: list[RngKey | None],
+              fence_version: int) -> RunResult:
+        """Forward stages, fused tail (loss + backward), backward stages."""
+        stages = self.plan.stages
+        jobs = [Job(i, i, s.kind, *s.units) for i, s in enumerate(stages)]
+        call = self._new_call("train", inputs, labels, loss_fn, grain, want_outputs, keys,
+                              fence_version)
+        self._wire(jobs, call, stash_for_backward=False)
+        return self._run(jobs, call)
+
+    def forward(self, inputs: list[dict[str, Any]], *, record: bool, grain: str,
+                keys: list[RngKey | None], fence_version: int) -> RunResult:
+        """Forward stages and the tail as a forward stage; with ``record`` the values the
+        backward needs are kept in ``RunResult.stash``."""
+        n = len(self.units)
+        fwd = [s for s in self.plan.stages if s.kind == "fwd"]
+        tail = self.plan.fused_stage
+        jobs = [Job(i, s.index, "fwd", *s.units) for i, s in enumerate(fwd)]
+        jobs.append(Job(len(jobs), tail.index, "fwd", tail.units[0], n))
+        call = self._new_call("forward", inputs, [None] * len(inputs), None, grain, True, keys,
+                              fence_version, record=record)
+        self._wire(jobs, call, stash_for_backward=record)
+        result = self._run(jobs, call)
+        if record:
+            result.stash = call.store
+        return result
+
+    def backward(self, stash: list[dict[str, Any]], output_grads: list[dict[str, Any]], *,
+                 grain: str, keys: list[RngKey | None], fence_version: int) -> RunResult:
+        """Backward of a recorded :meth:`forward`: the tail recomputes like a backward
+        stage, then the backward stages run."""
+        tail = self.plan.fused_stage
+        bwd = [s for s in self.plan.stages if s.kind == "bwd"]
+        jobs = [Job(0, tail.index, "bwd", *tail.units)]
+        jobs += [Job(i + 1, s.index, "bwd", *s.units) for i, s in enumerate(bwd)]
+        call = self._new_call("backward", [dict(s) for s in stash], [None] * len(stash), None,
+                              grain, False, keys, fence_version, record=True)
+        for mb, grads in enumerate(output_grads):
+            call.grads[mb].update(grads)
+        self._wire(jobs, call, stash_for_backward=False)
+        return self._run(jobs, call)
+
+    # --- setup ---------------------------------------------------------------------------
+    def _new_call(self, mode: str, inputs: list[dict[str, Any]], labels: list[Any],
+                  loss_fn: Callable | None, grain: str, want_outputs: bool,
+                  keys: list[RngKey | None], fence_version: int, record: bool = True
+                  ) -> _Call:
+        num_mb = len(inputs)
+        grad_inputs = frozenset(
+            name for name, v in inputs[0].items()
+            if isinstance(v, torch.Tensor) and v.requires_grad) if inputs else frozenset()
+        carries = self._carries(grad_inputs) if (mode != "forward" or record) else frozenset()
+        return _Call(
+            mode=mode, num_mb=num_mb, grain=grain, keys=keys,
+            store=[dict(x) for x in inputs], grads=[{} for _ in range(num_mb)],
+            labels=labels, loss_fn=loss_fn, want_outputs=want_outputs,
+            fence_version=fence_version, carries=carries, abort=threading.Event(),
+            done={}, losses=[None] * num_mb)
+
+    def _carries(self, grad_inputs: frozenset[str]) -> frozenset[str]:
+        """Values through which gradients flow: those depending on a trainable parameter
+        or on an input that requires grad (node-level, inside every unit program)."""
+        trainable = frozenset(s for s in self.host.specs if self.host.trainable(s))
+        key = (trainable, grad_inputs)
+        cached = self._carries_cache.get(key)
+        if cached is not None:
+            return cached
+        carries = set(grad_inputs) | set(trainable)
+        for unit in self.units:
+            graph = unit.module.graph  # type: ignore[union-attr]
+            live: set[str] = set()
+            placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+            names = list(unit.inputs) + list(unit.state)
+            for node, name in zip(placeholders, names):
+                if name in carries:
+                    live.add(node.name)
+            for node in graph.nodes:
+                if node.op in ("placeholder", "output"):
+                    continue
+                if any(a.name in live for a in node.all_input_nodes):
+                    live.add(node.name)
+            out_node = next(n for n in graph.nodes if n.op == "output")
+            for value, name in zip(out_node.args[0], unit.outputs):
+                if isinstance(value, torch.fx.Node) and value.name in live:
+                    carries.add(name)
+        result = frozenset(carries)
+        self._carries_cache[key] = result
+        return result
+
+    def _wire(self, jobs: list[Job], call: _Call, *, stash_for_backward: bool) -> None:
+        """Decide what each job reads from and publishes to the host store."""
+        stash = self.plan.stash[call.grain]
+        for job in jobs:
+            if job.kind == "bwd" and call.grain == "layer":
+                reads: list[str] = []
+                for unit in self.units[job.start:job.stop]:
+                    reads.extend(v for v in unit.inputs if v not in reads)
+                job.reads = tuple(reads)
+            else:
+                job.reads = self._range_inputs(job.start, job.stop)
+            if job.kind == "fused":
+                extra = [v for v in self._output_values
+                         if self._producer.get(v, -1) < job.start and v not in job.reads]
+                job.reads = job.reads + tuple(extra)
+        needed: set[str] = set()
+        for job in jobs:
+            needed.update(job.reads)
+        if stash_for_backward:
+            for per_stage in stash:
+                needed.update(per_stage)
+            tail = self.plan.fused_stage
+            for unit in self.units[tail.units[0]:tail.units[1]]:
+                needed.update(unit.inputs)
+        if call.want_outputs:
+            needed.update(self._output_values)
+        for job in jobs:
+            produced = {v for u in self.units[job.start:job.stop] for v in u.outputs}
+            job.publishes = frozenset(produced & needed)
+
+    def _range_inputs(self, start: int, stop: int) -> tuple[str, ...]:
+        produced: set[str] = set()
+        needed: list[str] = []
+        for unit in self.units[start:stop]:
+            needed.extend(v for v in unit.inputs if v not in produced and v not in needed)
+            produced.update(unit.outputs)
+        return tuple(needed)
+
+    # --- running -------------------------------------------------------------------------
+    def _run(self, jobs: list[Job], call: _Call) -> RunResult:
+        for device in self.devices:
+            device.reset_counters()
+        for job in jobs:
+            for mb in range(call.num_mb):
+                call.done[(job.index, mb)] = Future()
+        call.t0 = time.perf_counter()
+        futures = []
+        for job in jobs:
+            device = self.devices[job.index % len(self.devices)]
+            futures.append((job, device, device.submit(self._job_main, job, device, call)))
+        errors: list[tuple[Job, Device, BaseException]] = []
+        try:
+            for job, device, fut in futures:
+                try:
+                    fut.result()
+                except _Aborted:
+                    pass
+                except BaseException as e:  # noqa: BLE001 - collected and re-raised below
+                    errors.append((job, device, e))
+                    call.abort.set()
+        except BaseException:
+            call.abort.set()  # KeyboardInterrupt in the caller: stop the workers, then raise
+            for _, _, fut in futures:
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001 - the interrupt is what matters
+                    pass
+            raise
+        if errors:
+            job, device, e = min(errors, key=lambda x: x[0].index)
+            raise self._describe_error(job, device, e) from e
+        stats = RunStats(
+            devices=tuple(d.counters() for d in self.devices),
+            timeline=tuple(sorted(call.timeline, key=lambda r: r.job)),
+            unit_fwd_s=dict(call.unit_fwd_s),
+            unit_bwd_s=dict(call.unit_bwd_s),
+            wall_s=time.perf_counter() - call.t0,
+        )
+        outputs = None
+        if call.want_outputs:
+            outputs = [[call.store[mb][o.value] if o.value is not None else o.constant
+                        for o in self.program.outputs] for mb in range(call.num_mb)]
+        input_grads = None
+        if call.mode == "backward":
+            names = {n for n in self.program.inputs.names if n is not None}
+            input_grads = [{k: v for k, v in g.items() if k in names} for g in call.grads]
+        return RunResult(losses=call.losses, outputs=outputs, param_grads=call.param_grads,
+                         buffers=call.buffers, input_grads=input_grads, stats=stats)
+
+    def _describe_error(self, job: Job, device: Device, e: BaseException) -> BaseException:
+        mb = getattr(e, "_roundpipe_microbatch", None)
+        names = ", ".join(u.name for u in self.units[job.start:job.stop])
+        where = (f"stage {job.stage} ({job.kind}, units {names}) on {device.name}"
+                 + (f" at microbatch {mb}" if mb is not None else ""))
+        if isinstance(e, RoundPipeError):
+            e.args = (f"{where}: {e}",) + tuple(e.args[1:])
+            return e
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            return e
+        return StageError(f"{where} raised {type(e).__name__}: {e}", stage=job.stage,
+                          device=device.name, microbatch=mb)
+
+    def _wait_for(self, call: _Call, job: Job, mb: int) -> None:
+        if job.index == 0:
+            if call.abort.is_set():
+                raise _Aborted()
+            return
+        fut = call.done[(job.index - 1, mb)]
+        while True:
+            if call.abort.is_set():
+                raise _Aborted()
+            try:
+                fut.result(timeout=_POLL_S)
+                return
+            except TimeoutError:
+                continue
+            except BaseException:
+                raise _Aborted() from None
+
+    def _job_main(self, job: Job, device: Device, call: _Call) -> None:
+        start = time.perf_counter() - call.t0
+        runner = _JobRunner(self, job, device, call)
+        mb = 0
+        try:
+            runner.setup()
+            for mb in range(call.num_mb):
+                self._wait_for(call, job, mb)
+                try:
+                    runner.run_microbatch(mb)
+                except _Aborted:
+                    raise
+                except BaseException as e:
+                    e._roundpipe_microbatch = mb  # type: ignore[attr-defined]
+                    raise
+                call.done[(job.index, mb)].set_result(None)
+            runner.finish()
+        except BaseException as e:
+            for rest in range(mb, call.num_mb):
+                fut = call.done[(job.index, rest)]
+                if not fut.done():
+                    fut.set_exception(_Aborted())
+            runner.release()
+            if isinstance(e, _Aborted):
+                raise
+            raise
+        runner.release()
+        with call.lock:
+            call.timeline.append(JobRecord(
+                job=job.index, stage=job.stage, kind=job.kind,
+                units=", ".join(u.name for u in self.units[job.start:job.stop]),
+                device=device.name, start_s=start, end_s=time.perf_counter() - call.t0,
+                microbatches=call.num_mb))
+
+
+class _JobRunner:
+    """The work of one job on one device (runs on the device's worker thread)."""
+
+    def __init__(self, ex: Executor, job: Job, device: Device, call: _Call) -> None:
+        self.ex = ex
+        self.job = job
+        self.device = device
+        self.call = call
+        self.units = ex.units[job.start:job.stop]
+        self.grad_mode = job.kind in ("fused", "bwd")
+        self.state: dict[str, torch.Tensor] = {}
+        self.param_leaves: dict[tuple[int, str], torch.Tensor] = {}
+        self.produced_here = {v for u in self.units for v in u.outputs}
+        self.resident = 0
+        self.skip = False
+
+    # --- state -------------------------------------------------------------------------
+    def setup(self) -> None:
+        call, host = self.call, self.ex.host
+        if self.job.kind == "bwd" and not any(
+                s in call.carries for u in self.units for s in list(u.inputs) + list(u.state)):
+            self.skip = True  # nothing here carries a gradient (frozen layers)
+            return
+        slots: list[str] = []
+        for unit in self.units:
+            slots.extend(s for s in unit.state if s not in slots)
+        names = host.param_names(slots)
+        host.fences.wait(names, call.fence_version, call.abort)
+        if call.abort.is_set():
+            raise _Aborted()
+        for name in names:
+            host.fences.record("upload", name, call.fence_version)
+        for slot in slots:
+            dev = self.device.upload(host.tensors[slot])
+            self.resident += dev.numel() * dev.element_size()
+            self.state[slot] = dev
+        if self.grad_mode:
+            users: dict[str, int] = {}
+            for unit in self.units:
+                for s in unit.state:
+                    users[s] = users.get(s, 0) + 1
+            for unit in self.units:
+                for s in unit.state:
+                    if s in call.carries and host.trainable(s):
+                        base = self.state[s]
+                        # A parameter read by several units gets one leaf per unit, so its
+                        # gradient is accumulated per unit (device-count invariant).
+                        leaf = base if users[s] == 1 else base.detach()
+                        leaf.requires_grad_(True)
+                        self.param_leaves[(unit.index, s)] = leaf
+
+    def _state_args(self, unit: UnitProgram) -> list[torch.Tensor]:
+        return [self.param_leaves.get((unit.index, s), self.state[s]) for s in unit.state]
+
+    def release(self) -> None:
+        if self.resident:
+            self.device.release(self.resident)
+            self.resident = 0
+        self.state.clear()
+        self.param_leaves.clear()
+
+    def finish(self) -> None:
+        """After the last microbatch: download gradients and updated buffers."""
+        call = self.call
+        staged_grads: list[tuple[str, int, torch.Tensor]] = []
+        for (uid, slot), leaf in self.param_leaves.items():
+            if leaf.grad is not None:
+                staged_grads.append((slot, uid, self.device.download(leaf.grad)))
+        staged_buffers: dict[str, torch.Tensor] = {}
+        if self.job.kind in ("fwd", "fused") and call.mode != "backward":
+            mutated = {s for u in self.units for s in u.mutated_state}
+            mutated.update(slot for v, slot in self.ex._buffer_update.items()
+                           if v in self.produced_here)
+            for slot in mutated:
+                staged_buffers[slot] = self.device.download(self.state[slot])
+        with call.lock:
+            for slot, uid, g in staged_grads:
+                call.param_grads.setdefault(slot, []).append((uid, g))
+            call.buffers.update(staged_buffers)
+
+    # --- values --------------------------------------------------------------------------
+    def _host_value(self, mb: int, name: str, cache: dict[str, Any]) -> Any:
+        if name in cache:
+            return cache[name]
+        try:
+            value = self.call.store[mb][name]
+        except KeyError:
+            raise RuntimeError(f"value {name!r} was not produced before it was needed; "
+                               "the plan is inconsistent") from None
+        if isinstance(value, torch.Tensor):
+            value = self._upload_activation(value)
+        cache[name] = value
+        return value
+
+    def _upload_activation(self, value: torch.Tensor) -> torch.Tensor:
+        dev = self.device.upload(value)
+        self.resident += dev.numel() * dev.element_size()
+        return dev
+
+    def _publish(self, mb: int, values: dict[str, Any]) -> None:
+        store = self.call.store[mb]
+        for name in self.job.publishes:
+            value = values[name]
+            store[name] = (self.device.download(value) if isinstance(value, torch.Tensor)
+                           else value)
+
+    def _call_unit(self, unit: UnitProgram, args: list[Any], mb: int) -> tuple[Any, ...]:
+        extra: list[Any] = []
+        if unit.needs_device:
+            extra.append(self.device.torch_device)
+        if unit.needs_rng:
+            extra.append(self.call.keys[mb])
+        return unit.module(*args, *self._state_args(unit), *extra)
+
+    def _apply_buffer_updates(self, unit: UnitProgram, values: dict[str, Any]) -> None:
+        # Reassigned buffers: the next microbatch of this job reads the new value.
+        for v in unit.outputs:
+            slot = self.ex._buffer_update.get(v)
+            if slot is not None:
+                self.state[slot] = values[v]
+
+    # --- microbatches --------------------------------------------------------------------
+    def run_microbatch(self, mb: int) -> None:
+        if self.skip:
+            return
+        before = self.resident
+        if self.job.kind == "fwd":
+            self._forward(mb)
+        elif self.job.kind == "fused":
+            self._fused(mb)
+        elif self.call.grain == "layer":
+            self._backward_layers(mb)
+        else:
+            self._backward_stage(mb)
+        self.device.release(self.resident - before)
+        self.resident = before
+
+    def _forward(self, mb: int) -> None:
+        values: dict[str, Any] = {}
+        with torch.no_grad():
+            for unit in self.units:
+                t = time.perf_counter()
+                args = [values[v] if v in values else self._host_value(mb, v, values)
+                        for v in unit.inputs]
+                outs = self._call_unit(unit, args, mb)
+                values.update(zip(unit.outputs, outs))
+                if self.call.mode != "backward":
+                    self._apply_buffer_updates(unit, values)
+                self._time(self.call.unit_fwd_s, unit.index, t)
+        self._publish(mb, values)
+
+    def _leaf(self, value: Any, name: str) -> Any:
+        if (isinstance(value, torch.Tensor) and name in self.call.carries
+                and (value.is_floating_point() or value.is_complex())):
+            return value.detach().requires_grad_(True)
+        return value.detach() if isinstance(value, torch.Tensor) else value
+
+    def _forward_unit_grad(self, unit: UnitProgram, mb: int, values: dict[str, Any],
+                           uploaded: dict[str, Any], leaves: dict[tuple[int, str], Any],
+                           from_host_only: bool = False) -> None:
+        """Run one unit as its own autograd graph; its inputs become fresh leaves."""
+        args = []
+        for v in unit.inputs:
+            base = (values[v] if v in values and not from_host_only
+                    else self._host_value(mb, v, uploaded))
+            leaf = self._leaf(base, v)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaves[(unit.index, v)] = leaf
+            args.append(leaf)
+        with torch.enable_grad():
+            outs = self._call_unit(unit, args, mb)
+        values.update(zip(unit.outputs, outs))
+
+    def _backward_unit(self, unit: UnitProgram, mb: int, values: dict[str, Any],
+                       acc: dict[str, torch.Tensor], leaves: dict[tuple[int, str], Any],
+                       uploaded_grads: dict[str, Any]) -> None:
+        tensors, grads = [], []
+        for v in unit.outputs:
+            out = values.get(v)
+            if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                continue
+            g = acc.pop(v, None)
+            if g is None:
+                g = self._host_grad(mb, v, uploaded_grads)
+            if g is not None:
+                tensors.append(out)
+                grads.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for v in unit.inputs:
+            leaf = leaves.pop((unit.index, v), None)
+            if leaf is not None and leaf.grad is not None:
+                self._add_grad(mb, v, leaf.grad, acc, uploaded_grads)
+
+    def _host_grad(self, mb: int, name: str, uploaded: dict[str, Any]) -> Any:
+        if name in uploaded:
+            return uploaded.pop(name)
+        g = self.call.grads[mb].get(name)
+        return None if g is None else self._upload_activation(g)
+
+    def _add_grad(self, mb: int, name: str, g: torch.Tensor, acc: dict[str, torch.Tensor],
+                  uploaded: dict[str, Any]) -> None:
+        """Fold one reader's gradient into ``name``'s running sum (descending readers)."""
+        if name in acc:
+            acc[name] = acc[name] + g
+            return
+        earlier = self._host_grad(mb, name, uploaded)
+        acc[name] = g if earlier is None else earlier + g
+
+    def _flush_grads(self, mb: int, acc: dict[str, torch.Tensor]) -> None:
+        """Send running sums of values made by earlier jobs (or inputs) to the host."""
+        store = self.call.grads[mb]
+        for name, g in acc.items():
+            if name not in self.produced_here:
+                store[name] = self.device.download(g)
+
+    def _backward_stage(self, mb: int) -> None:
+        values: dict[str, Any] = {}
+        uploaded: dict[str, Any] = {}
+        leaves: dict[tuple[int, str], Any] = {}
+        t = time.perf_counter()
+        for unit in self.units:  # recompute the whole stage, keeping every unit's graph
+            self._forward_unit_grad(unit, mb, values, uploaded, leaves)
+        acc: dict[str, torch.Tensor] = {}
+        uploaded_grads: dict[str, Any] = {}
+        for unit in reversed(self.units):
+            self._backward_unit(unit, mb, values, acc, leaves, uploaded_grads)
+        self._flush_grads(mb, acc)
+        self._time_range(self.call.unit_bwd_s, t)
+
+    def _backward_layers(self, mb: int) -> None:
+        acc: dict[str, torch.Tensor] = {}
+        uploaded_grads: dict[str, Any] = {}
+        for unit in reversed(self.units):  # recompute one unit, run its backward, free it
+            t = time.perf_counter()
+            values: dict[str, Any] = {}
+            leaves: dict[tuple[int, str], Any] = {}
+            self._forward_unit_grad(unit, mb, values, {}, leaves, from_host_only=True)
+            self._backward_unit(unit, mb, values, acc, leaves, uploaded_grads)
+            self._time(self.call.unit_bwd_s, unit.index, t)
+        self._flush_grads(mb, acc)
+
+    def _fused(self, mb: int) -> None:
+        call = self.call
+        values: dict[str, Any] = {}
+        uploaded: dict[str, Any] = {}
+        leaves: dict[tuple[int, str], Any] = {}
+        t = time.perf_counter()
+        for unit in self.units:
+            self._forward_unit_grad(unit, mb, values, uploaded, leaves)
+            self._apply_buffer_updates(unit, values)
+        # The loss reads the model outputs through leaves of their own, so their gradients
+        # enter each value's running sum first (the loss is the last reader).
+        flat: list[Any] = []
+        out_leaves: list[tuple[str, torch.Tensor]] = []
+        for ref in self.ex.program.outputs:
+            if ref.value is None:
+                flat.append(ref.constant)
+                continue
+            base = (values[ref.value] if ref.value in values
+                    else self._host_value(mb, ref.value, uploaded))
+            leaf = self._leaf(base, ref.value)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                out_leaves.append((ref.value, leaf))
+            flat.append(leaf)
+        output = pytree.tree_unflatten(flat, self.ex.program.out_spec)
+        label = pytree.tree_map(
+            lambda x: self._upload_activation(x) if isinstance(x, torch.Tensor) else x,
+            call.labels[mb])
+        with torch.enable_grad():
+            loss = call.loss_fn(output, label)  # type: ignore[misc]
+        _check_loss(loss, mb)
+        acc: dict[str, torch.Tensor] = {}
+        uploaded_grads: dict[str, Any] = {}
+        if loss.requires_grad:
+            loss.backward()
+            for name, leaf in out_leaves:
+                if leaf.grad is not None:
+                    self._add_grad(mb, name, leaf.grad, acc, uploaded_grads)
+        for unit in reversed(self.units):
+            self._backward_unit(unit, mb, values, acc, leaves, uploaded_grads)
+        self._flush_grads(mb, acc)
+        call.losses[mb] = self.device.download(loss.detach())
+        self._publish(mb, values)
+        self._time_range(self.call.unit_bwd_s, t)
+
+    # --- timing --------------------------------------------------------------------------
+    def _time(self, table: dict[int, float], unit: int, t: float) -> None:
+        dt = time.perf_counter() - t
+        with self.call.lock:
+            table[unit] = table.get(unit, 0.0) + dt
+
+    def _time_range(self, table: dict[int, float], t: float) -> None:
+        """Split a stage-level time over its units in proportion to their estimates."""
+        dt = time.perf_counter() - t
+        costs = self.ex.plan.costs[self.job.start:self.job.stop]
+        total = sum(c.fwd_time_s for c in costs) or 1.0
+        with self.call.lock:
+            for unit, c in zip(self.units, costs):
+                table[unit.index] = table.get(unit.index, 0.0) + dt * c.fwd_time_s / total
+
+
+def _check_loss(loss: Any, mb: int) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(f"loss_fn returned a {type(loss).__name__} for microbatch {mb}; it "
+                        "must return a scalar tensor")
+    if loss.numel() != 1 or loss.dim() > 1:
+        raise LossError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)} for microbatch {mb}; "
+            "it must be a scalar (reduce it, e.g. with .mean() or .sum())"
+        )
+

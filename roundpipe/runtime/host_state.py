@@ -1,0 +1,223 @@
+"""Model state in host memory: weights, master weights, gradients, and the fences between
+the optimizer thread and uploads.
+
+Roles of the tensors:
+
+* *model weights*: the model's own parameters, in the model's dtype.  Uploads read them.
+* *masters*: with ``optim_dtype`` set, one copy per trainable parameter in that dtype; the
+  optimizer updates them and gradients land in their ``.grad``.  With ``optim_dtype=None``
+  the masters are the model's parameters themselves.
+* *publishing* copies masters into model weights one layer unit at a time; a version fence
+  per parameter makes every upload wait until the parameter holds the version it expects,
+  so no upload reads a weight the optimizer thread is halfway through writing.
+
+:class:`ModelState` is shared by every program compiled for a model (masters and fences
+are keyed by parameter name); :class:`HostState` maps one program's state slots onto it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from ..plan import ModelProgram
+
+_WAIT_SLICE_S = 0.05
+
+
+class WeightFences:
+    """Per-parameter versions of the published weights.
+
+    ``schedule()`` (caller thread, when a step is enqueued) raises the version later
+    uploads require; ``publish(names, v)`` (optimizer thread) records that parameters
+    reached version ``v``; ``wait(names, v)`` blocks an upload until they have.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._published: dict[str, int] = {}
+        self._floor = 0  # version every parameter has reached
+        self._target = 0
+        self.events: list[tuple[str, str, int, float]] | None = None  # tests turn this on
+
+    @property
+    def target(self) -> int:
+        with self._cond:
+            return self._target
+
+    def schedule(self) -> int:
+        with self._cond:
+            self._target += 1
+            return self._target
+
+    def record(self, what: str, name: str, version: int) -> None:
+        events = self.events
+        if events is not None:
+            events.append((what, name, version, time.perf_counter()))
+
+    def _version(self, name: str) -> int:
+        return max(self._floor, self._published.get(name, 0))
+
+    def publish(self, names: Iterable[str], version: int) -> None:
+        with self._cond:
+            for name in names:
+                self._published[name] = max(self._version(name), version)
+            self._cond.notify_all()
+
+    def publish_all(self, version: int) -> None:
+        with self._cond:
+            self._floor = max(self._floor, version)
+            self._cond.notify_all()
+
+    def wait(self, names: Iterable[str], version: int,
+             abort: threading.Event | None = None) -> bool:
+        """Block until every parameter in ``names`` reached ``version``; False if aborted."""
+        names = list(names)
+        with self._cond:
+            while not all(self._version(n) >= version for n in names):
+                if abort is not None and abort.is_set():
+                    return False
+                self._cond.wait(_WAIT_SLICE_S)
+        return True
+
+
+class ModelState:
+    """Masters, fences and gradient commits for one model (shared across its programs)."""
+
+    def __init__(self, model: torch.nn.Module, optim_dtype: torch.dtype | None) -> None:
+        self.model = model
+        self.optim_dtype = optim_dtype
+        self.fences = WeightFences()
+        self._masters: dict[str, torch.nn.Parameter] = {}
+        self._dirty = False  # masters hold updates not yet published to the model weights
+        self._lock = threading.Lock()
+        self._params = dict(model.named_parameters())
+        # Publish order: groups of parameter names, one per layer unit of the program in
+        # use (set by HostState), so the first units' fences open first.
+        self.publish_groups: list[tuple[str, ...]] = [tuple(self._params)]
+
+    @property
+    def has_masters(self) -> bool:
+        return self.optim_dtype is not None
+
+    def named_masters(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` the optimizer should update, in ``named_parameters()`` order.
+
+        Frozen parameters (``requires_grad=False``) get no master and are not listed.
+        """
+        return [(name, self.master(name)) for name, p in self.model.named_parameters()
+                if p.requires_grad]
+
+    def master(self, name: str) -> torch.Tensor:
+        param = self._params[name]
+        if not self.has_masters:
+            return param
+        with self._lock:
+            master = self._masters.get(name)
+            if master is None:
+                master = torch.nn.Parameter(param.detach().to(self.optim_dtype, copy=True),
+                                            requires_grad=True)
+                self._masters[name] = master
+        return master
+
+    def masters(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self._masters)
+
+    def mark_dirty(self) -> None:
+        self._dirty = True
+
+    def publish(self, version: int) -> None:
+        """Copy masters into the model weights group by group, opening their fences."""
+        with self._lock:
+            if not (self.has_masters and self._dirty):
+                self.fences.publish_all(version)
+                return
+            done: set[str] = set()
+            with torch.no_grad():
+                for group in self.publish_groups + [tuple(self._masters)]:
+                    group = tuple(n for n in group if n not in done)
+                    if not group:
+                        continue
+                    for name in group:
+                        self.fences.record("publish_begin", name, version)
+                        master = self._masters.get(name)
+                        if master is not None:
+                            self._params[name].copy_(master)
+                        self.fences.record("publish_end", name, version)
+                    done.update(group)
+                    self.fences.publish(group, version)
+            self._dirty = False
+            self.fences.publish_all(version)
+
+    def reset_masters_to_weights(self) -> None:
+        """Make the masters equal the published weights (after a failed step)."""
+        with self._lock, torch.no_grad():
+            for name, master in self._masters.items():
+                master.copy_(self._params[name])
+            self._dirty = False
+
+    def load_masters(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Set masters from ``values`` exactly (their weights follow at the next publish)."""
+        with torch.no_grad():
+            for name, value in values.items():
+                if name in self._params and self._params[name].requires_grad and \
+                        self.has_masters:
+                    self.master(name).copy_(value)
+        self._dirty = True
+
+    def commit_grads(self, grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]]) -> None:
+        """Add per-unit gradients to the masters' ``.grad`` (keyed by parameter name).
+
+        Contributions are folded in descending unit order (the order backward produces
+        them), so the result does not depend on how units were grouped into stages or on
+        the device count.
+        """
+        with torch.no_grad():
+            for name, contributions in grads.items():
+                master = self.master(name)
+                ordered = sorted(contributions, key=lambda c: -c[0])
+                total = ordered[0][1].to(master.dtype)
+                for _, g in ordered[1:]:
+                    total = total + g.to(master.dtype)
+                if master.grad is None:
+                    master.grad = total  # a fresh download, owned by us
+                else:
+                    master.grad += total
+
+
+class HostState:
+    """One program's view of the model state: state slot -> host tensor."""
+
+    def __init__(self, model_state: ModelState, program: ModelProgram) -> None:
+        self.shared = model_state
+        self.fences = model_state.fences
+        self.specs = program.state_by_name()
+        model = model_state.model
+        self.tensors: dict[str, torch.Tensor] = {}
+        for spec in program.state:
+            if spec.kind == "constant":
+                self.tensors[spec.name] = program.constants[spec.name]
+            elif spec.kind == "parameter":
+                self.tensors[spec.name] = model.get_parameter(spec.fqn)
+            else:
+                self.tensors[spec.name] = model.get_buffer(spec.fqn)
+        model_state.publish_groups = [
+            tuple(self.specs[s].fqn for s in u.state if self.specs[s].kind == "parameter")
+            for u in program.units]
+
+    def trainable(self, slot: str) -> bool:
+        return self.specs[slot].kind == "parameter" and self.tensors[slot].requires_grad
+
+    def param_names(self, slots: Iterable[str]) -> list[str]:
+        return [self.specs[s].fqn for s in slots if self.specs[s].kind == "parameter"]
+
+    def commit(self, param_grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
+               buffers: Mapping[str, torch.Tensor]) -> None:
+        """Commit a successful call: gradients into the masters, buffer updates."""
+        self.shared.commit_grads({self.specs[s].fqn: g for s, g in param_grads.items()})
+        with torch.no_grad():
+            for slot, value in buffers.items():
+                self.tensors[slot].copy_(value)

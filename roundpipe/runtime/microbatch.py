@@ -1,0 +1,180 @@
+"""Splitting calls into microbatches and merging their outputs.
+
+Default rule: the batch size is the first dimension of the first tensor among the inputs;
+every tensor whose first dimension equals it is split along dimension 0
+(``torch.tensor_split``: sizes differ by at most one), everything else is replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import ConfigError, InputError
+
+_is_none = lambda x: x is None  # noqa: E731 - a leaf predicate for pytree
+
+
+def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
+    raise InputError(
+        "no input tensor has a batch dimension, so the call cannot be split into "
+        "microbatches; pass split_input=... in RoundPipeRunConfig to split it yourself"
+    )
+
+
+def check_on_cpu(tree: Any, what: str) -> None:
+    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+            raise InputError(
+                f"{what}{pytree.keystr(path)} is on {leaf.device}, but roundpipe keeps all "
+                "model state and inputs in host memory and streams them to devices itself; "
+                "pass CPU tensors (drop the .to(device) / .cuda() call)"
+            )
+
+
+def _split_tensor(t: torch.Tensor, dim: int, num: int, what: str) -> list[torch.Tensor]:
+    if t.dim() <= dim or t.shape[dim] < num:
+        size = t.shape[dim] if t.dim() > dim else "no"
+        raise InputError(
+            f"{what} has {size} rows along dim {dim}, fewer than num_microbatch={num}; "
+            f"use a batch of at least {num} or lower num_microbatch"
+        )
+    return list(torch.tensor_split(t, num, dim=dim))
+
+
+def split_tree(tree: Any, num: int, batch: int, spec: Any, what: str) -> list[Any]:
+    """Split a pytree into ``num`` microbatches.
+
+    Args:
+        tree: the inputs (or the label).
+        num: number of microbatches.
+        batch: batch size used by the default rule.
+        spec: ``None`` for the default rule, or a pytree matching ``tree`` whose leaves
+            are the dim to split along (int) or ``None`` (replicate).
+        what: name used in error messages.
+    """
+    leaves, treespec = pytree.tree_flatten(tree)
+    if spec is None:
+        dims: list[int | None] = [0 if isinstance(x, torch.Tensor) and x.dim() >= 1
+                                  and x.shape[0] == batch else None for x in leaves]
+    else:
+        dims = pytree.tree_flatten(spec, is_leaf=_is_none)[0]
+        if len(dims) != len(leaves):
+            raise ConfigError(
+                f"split spec for {what} has {len(dims)} leaves but {what} has {len(leaves)}; "
+                "give one int (dim) or None (replicate) per leaf"
+            )
+    pieces: list[list[Any]] = []
+    for leaf, dim in zip(leaves, dims):
+        if dim is None:
+            pieces.append([leaf] * num)
+        elif not isinstance(leaf, torch.Tensor):
+            raise ConfigError(f"split spec asks to split a {type(leaf).__name__} in {what}")
+        else:
+            pieces.append(_split_tensor(leaf, dim, num, what))
+    return [pytree.tree_unflatten([p[i] for p in pieces], treespec) for i in range(num)]
+
+
+def split_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], num: int,
+                 spec: Any) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Split ``(args, kwargs)`` into ``num`` microbatches (see the module docstring)."""
+    if callable(spec):
+        parts = list(spec(args, kwargs, num))
+        if len(parts) != num:
+            raise ConfigError(f"split_input returned {len(parts)} microbatches, expected {num}")
+        return [(tuple(a), dict(k)) for a, k in parts]
+    batch = batch_size_of(args, kwargs) if spec is None else -1
+    if spec is None and batch < num:
+        raise InputError(
+            f"the batch has {batch} samples but num_microbatch={num}; each microbatch needs "
+            f"at least one sample: use a batch of at least {num} or lower num_microbatch"
+        )
+    return [(tuple(a), dict(k)) for a, k in split_tree((args, kwargs), num, batch, spec,
+                                                       "input")]
+
+
+def split_label(label: Any, num: int, batch: int, spec: Any) -> list[Any]:
+    """Split ``label`` like the inputs; its batch dimension must match theirs."""
+    if label is None:
+        return [None] * num
+    if callable(spec):
+        parts = list(spec(label, num))
+        if len(parts) != num:
+            raise ConfigError(f"split_label returned {len(parts)} microbatches, expected {num}")
+        return parts
+    if spec is None:
+        for path, leaf in pytree.tree_flatten_with_path(label)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] != batch:
+                raise InputError(
+                    f"label{pytree.keystr(path)} has batch size {leaf.shape[0]} but the inputs "
+                    f"have {batch}; labels are split into microbatches like the inputs, so "
+                    "their first dimensions must match (or pass split_label=...)"
+                )
+    return split_tree(label, num, batch, spec, "label")
+
+
+def merge_rules(outputs: Sequence[Any], sizes: Sequence[int], spec: Any) -> list[Any]:
+    """The rule merging each flat output column: a dim (concatenate), ``"sum"`` or
+    ``"first"``.  Used by :func:`merge_outputs` and to route gradients back."""
+    flat = [pytree.tree_flatten(o)[0] for o in outputs]
+    columns = list(zip(*flat))
+    if spec is None:
+        given: list[Any] = [None] * len(columns)
+    else:
+        given = pytree.tree_flatten(spec, is_leaf=_is_none)[0]
+        if len(given) != len(columns):
+            raise ConfigError(
+                f"merge spec has {len(given)} leaves but the output has {len(columns)}")
+    rules = []
+    for column, rule in zip(columns, given):
+        first = column[0]
+        if not isinstance(first, torch.Tensor):
+            rules.append("first")
+        elif rule is not None:
+            if rule not in ("sum", "stack", "first") and not isinstance(rule, int):
+                raise ConfigError(
+                    f"unknown merge rule {rule!r}; use an int dim, 'sum', 'stack', 'first' "
+                    "or None")
+            rules.append(rule)
+        elif first.dim() >= 1 and all(isinstance(v, torch.Tensor) and v.dim() >= 1
+                                      and v.shape[0] == n for v, n in zip(column, sizes)):
+            rules.append(0)
+        elif first.dim() == 0 and first.is_floating_point():
+            rules.append("sum")
+        else:
+            rules.append("first")
+    return rules
+
+
+def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int], spec: Any,
+                  device: torch.device) -> Any:
+    """Merge per-microbatch outputs (see ``RoundPipeRunConfig.merge_output``)."""
+    if callable(spec):
+        return spec(list(outputs))
+    treespec = pytree.tree_flatten(outputs[0])[1]
+    columns = list(zip(*(pytree.tree_flatten(o)[0] for o in outputs)))
+    merged = []
+    for column, rule in zip(columns, merge_rules(outputs, sizes, spec)):
+        value = _merge_column(list(column), rule)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            value = value.to(device)
+        merged.append(value)
+    return pytree.tree_unflatten(merged, treespec)
+
+
+def _merge_column(values: list[Any], rule: Any) -> Any:
+    if rule == "first":
+        return values[0]
+    if rule == "sum":
+        total = values[0]
+        for v in values[1:]:
+            total = total + v
+        return total
+    if rule == "stack":
+        return torch.stack(values)
+    return torch.cat(values, dim=rule)
