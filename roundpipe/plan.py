@@ -126,6 +126,15 @@ class ModelProgram:
     def state_by_name(self) -> dict[str, StateSpec]:
         return {s.name: s for s in self.state}
 
+    def range_inputs(self, start: int, stop: int) -> tuple[str, ...]:
+        """Values read by units ``[start, stop)`` that are made outside the range."""
+        produced: set[str] = set()
+        needed: list[str] = []
+        for unit in self.units[start:stop]:
+            needed.extend(v for v in unit.inputs if v not in produced and v not in needed)
+            produced.update(unit.outputs)
+        return tuple(needed)
+
 
 @dataclass(frozen=True)
 class LayerUnit:

@@ -20,16 +20,6 @@ from ..plan import ModelProgram
 GRAINS = ("stage", "layer")
 
 
-def stage_inputs(program: ModelProgram, start: int, stop: int) -> tuple[str, ...]:
-    """Values read by units ``[start, stop)`` that are made outside the range."""
-    produced: set[str] = set()
-    needed: list[str] = []
-    for unit in program.units[start:stop]:
-        needed.extend(v for v in unit.inputs if v not in produced and v not in needed)
-        produced.update(unit.outputs)
-    return tuple(needed)
-
-
 def plan_recompute(program: ModelProgram, stages: Sequence[tuple[str, tuple[int, int]]]
                    ) -> dict[str, tuple[tuple[str, ...], ...]]:
     """Stash sets per grain, one entry per stage (empty for forward and fused stages).
@@ -45,7 +35,7 @@ def plan_recompute(program: ModelProgram, stages: Sequence[tuple[str, tuple[int,
             if kind != "bwd":
                 per_stage.append(())
             elif grain == "stage":
-                per_stage.append(stage_inputs(program, start, stop))
+                per_stage.append(program.range_inputs(start, stop))
             else:
                 stash: list[str] = []
                 for unit in program.units[start:stop]:

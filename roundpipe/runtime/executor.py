@@ -249,7 +249,7 @@ class Executor:
                     reads.extend(v for v in unit.inputs if v not in reads)
                 job.reads = tuple(reads)
             else:
-                job.reads = self._range_inputs(job.start, job.stop)
+                job.reads = self.program.range_inputs(job.start, job.stop)
             if job.kind == "fused":
                 extra = [v for v in self._output_values
                          if self._producer.get(v, -1) < job.start and v not in job.reads]
@@ -268,14 +268,6 @@ class Executor:
         for job in jobs:
             produced = {v for u in self.units[job.start:job.stop] for v in u.outputs}
             job.publishes = frozenset(produced & needed)
-
-    def _range_inputs(self, start: int, stop: int) -> tuple[str, ...]:
-        produced: set[str] = set()
-        needed: list[str] = []
-        for unit in self.units[start:stop]:
-            needed.extend(v for v in unit.inputs if v not in produced and v not in needed)
-            produced.update(unit.outputs)
-        return tuple(needed)
 
     # --- running -------------------------------------------------------------------------
     def _run(self, jobs: list[Job], call: _Call) -> RunResult:
