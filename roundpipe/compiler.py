@@ -129,6 +129,11 @@ def _ns(seconds: float) -> int:
     return max(1, round(seconds * 1e9))
 
 
+def _size(nbytes: int) -> str:
+    """``"1048576 bytes (1.0 MiB)"``: exact for small sizes, readable for large ones."""
+    return f"{nbytes} bytes ({nbytes / 2**20:.1f} MiB)"
+
+
 def _fwd_memory(c: UnitCost) -> int:
     return c.param_bytes + c.activation_bytes
 
@@ -150,12 +155,13 @@ def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int
     most = max_pipeline_stages(n)
     if memory_cap is not None:
         worst = max(range(n), key=lambda i: _bwd_memory(costs[i]))
-        if _bwd_memory(costs[worst]) > memory_cap:
+        need = _bwd_memory(costs[worst])
+        if need > memory_cap:
             raise PartitionError(
-                f"unit {names[worst]} alone needs {_bwd_memory(costs[worst]) / 2**20:.1f} MiB "
-                f"(weights, gradients and one microbatch of activations) but the per-stage "
-                f"memory cap is {memory_cap / 2**20:.1f} MiB; raise num_microbatch to shrink "
-                f"activations, use recompute_grain='layer', or give the devices more memory"
+                f"unit {names[worst]} alone needs {_size(need)} (weights, gradients and one "
+                f"microbatch of activations) but the per-stage memory cap is "
+                f"{_size(memory_cap)}; raise num_microbatch to shrink activations, use "
+                f"recompute_grain='layer', or give the devices more memory"
             )
     if num_stages is not None:
         return partition_pipeline(fwd, bwd, bwd, num_stages, **kwargs)
@@ -192,10 +198,11 @@ def _stage_spec(index: int, kind: str, units_range: tuple[int, int], program: Mo
     else:
         est = sum(c.fwd_s + c.bwd_s for c in costs)
         memory = param_bytes + trainable + activations
-    bottleneck_s = cuts.bottleneck / 1e9
+    # The partitioner's costs, in the same integer nanoseconds (see _choose_cuts).
+    cost_ns = sum(_ns(c.fwd_s) if kind == "fwd" else _ns(c.fwd_s + c.bwd_s) for c in costs)
     if memory_cap is not None and memory > 0.9 * memory_cap:
         reason = "memory cap"
-    elif abs(est - bottleneck_s) <= 1e-9 * max(1.0, bottleneck_s * 1e9):
+    elif cost_ns == cuts.bottleneck:
         reason = "bottleneck"
     elif kind == "fused":
         reason = "largest tail within the bottleneck"

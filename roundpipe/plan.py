@@ -343,7 +343,8 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
-_INDEXED = re.compile(r"^(.*?)(\d+)$")
+# A numbered path component ("h.7", "7"), not a name that ends in a digit ("conv1").
+_INDEXED = re.compile(r"^((?:.*\.)?)(\d+)$")
 
 
 def compact_unit_names(names: list[str]) -> str:

@@ -24,7 +24,7 @@ import networkx as nx
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 import torch.utils._pytree as pytree
 
 from ..plan import ModelProgram, UnitCost
@@ -127,6 +127,21 @@ class _CostInterpreter(torch.fx.Interpreter):
         return result
 
 
+def _cpu_sdpa_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                    out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``aten._scaled_dot_product_flash_attention_for_cpu``, the kernel that
+    ``scaled_dot_product_attention`` becomes on CPU (fake) tensors; ``FlopCounterMode``
+    only knows the CUDA kernels and would count attention as 0."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+# Ops FlopCounterMode misses on CPU tensors, with their formulas (taking shapes).
+_EXTRA_FLOP_FORMULAS: dict[Any, Any] = {}
+if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _EXTRA_FLOP_FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = (
+        _cpu_sdpa_flops)
+
+
 def estimate_costs(traced: TracedGraph, layers: LayerAssignment, program: ModelProgram,
                    device_model: DeviceModel, *, scale: float = 1.0) -> CostReport:
     """Estimate per-unit costs by interpreting the graph on fake tensors.
@@ -148,7 +163,7 @@ def estimate_costs(traced: TracedGraph, layers: LayerAssignment, program: ModelP
             value = model_state[node.name] if node.name in model_state else next(input_iter)
             args.append(fake_mode.from_tensor(value) if isinstance(value, torch.Tensor)
                         else value)
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
     interp = _CostInterpreter(gm, counter)
     with fake_mode, counter:
         try:

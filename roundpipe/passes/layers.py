@@ -72,7 +72,9 @@ def _expand_children(container: torch.nn.Module, prefix: str) -> list[str]:
     roots: list[str] = []
     for name, child in container.named_children():
         path = _join(prefix, name)
-        inner = _roots_in(child, path)
+        # A child that is itself a repeated container (ModuleList of ModuleLists) is
+        # expanded like one: its children are units too, at any depth.
+        inner = _expand_children(child, path) if _is_repeated(child) else _roots_in(child, path)
         covered = sum(_num_params(child.get_submodule(r[len(path) + 1:])) for r in inner)
         total = _num_params(child)
         if inner and total and covered >= _NESTED_COVERAGE * total:

@@ -1,0 +1,164 @@
+"""Tests for roundpipe.passes.layers: which layer units each model gets, and that units are
+contiguous runs of the graph that only read earlier units' values."""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+
+import models
+from compiled import GroupedNet, compiled
+from roundpipe.passes.layers import find_unit_roots
+
+ALL_MODELS = list(models.ALL) + ["const_net", "drop_net", "grouped_net"]
+
+
+def _units(name):
+    return [(u.name, u.kind) for u in compiled(name).plan.units]
+
+
+def test_gpt_units():
+    """Embeddings are the prologue, each transformer block a unit, ln_f and the (tied)
+    head the epilogue."""
+    assert _units("gpt") == [
+        ("wte", "prologue"), ("wpe", "prologue"),
+        ("h.0", "block"), ("h.1", "block"), ("h.2", "block"), ("h.3", "block"),
+        ("ln_f", "epilogue"), ("head", "epilogue"),
+    ]
+    units = compiled("gpt").plan.units
+    # The embedding dropout (no parameters) joins the wpe unit rather than being its own.
+    assert units[1].module_paths == ("wpe", "drop")
+    # Each block unit holds every submodule of its block and nothing else.
+    for u in units[2:6]:
+        assert all(p == u.name or p.startswith(u.name + ".") for p in u.module_paths)
+        assert f"{u.name}.qkv" in u.module_paths and f"{u.name}.mlp.2" in u.module_paths
+
+
+def test_nested_blocks_two_levels_deep_become_units():
+    """encoder.stages[i].blocks[j]: the inner blocks are the units (they hold most of each
+    stage's parameters); each stage's norm becomes its own unit between them."""
+    assert _units("nested") == [
+        ("inp", "prologue"),
+        ("encoder.stages.0.blocks.0", "block"),
+        ("encoder.stages.0.blocks.1", "block"),
+        ("encoder.stages.0.blocks.2", "block"),
+        ("encoder.stages.0.norm", "module"),
+        ("encoder.stages.1.blocks.0", "block"),
+        ("encoder.stages.1.blocks.1", "block"),
+        ("encoder.stages.1.norm", "epilogue"),
+        ("out", "epilogue"),
+    ]
+
+
+def test_repeated_containers_of_repeated_containers_expand_to_the_inner_blocks():
+    """groups[i][j] (ModuleList of ModuleLists): every inner block is a unit."""
+    blocks = [f"groups.{i}.{j}" for i in range(2) for j in range(3)]
+    assert find_unit_roots(GroupedNet()) == tuple(blocks)
+    assert _units("grouped_net") == ([("inp", "prologue")] + [(b, "block") for b in blocks]
+                                     + [("out", "epilogue")])
+
+
+def test_mlp_units_are_top_level_children_with_activations_merged():
+    """nn.Sequential of different layer types has no repeated block: one unit per
+    top-level child that has parameters; each activation joins the Linear before it."""
+    units = compiled("mlp").plan.units
+    assert [(u.name, u.kind) for u in units] == [("0", "module"), ("2", "module"),
+                                                 ("4", "module"), ("6", "module")]
+    assert [u.module_paths for u in units] == [("0", "1"), ("2", "3"), ("4", "5"), ("6",)]
+
+
+def test_convnet_units_merge_parameterless_children():
+    """The pooling layer (no parameters) joins conv2; the F.relu calls made in the model's
+    own forward (glue) join the unit before them."""
+    units = compiled("convnet").plan.units
+    assert [u.name for u in units] == ["stem", "conv1", "conv2", "fc"]
+    assert units[2].module_paths == ("conv2", "pool")
+    program = compiled("convnet").plan.program
+    code = program.units[0].module.code
+    assert "convolution" in code or "conv2d" in code
+    assert "relu" in code  # the relu after the stem ran in ConvNet.forward, not in stem
+
+
+def test_bnnet_and_branchy_units():
+    assert _units("bnnet") == [("layers.0", "block"), ("layers.1", "block"),
+                               ("layers.2", "block"), ("head", "epilogue")]
+    assert _units("branchy") == [("short", "prologue"), ("blocks.0", "block"),
+                                 ("blocks.1", "block"), ("blocks.2", "block"),
+                                 ("head", "epilogue")]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("build, expected", [
+    # A repeated container as the model itself.
+    (lambda: nn.Sequential(_Block(), _Block(), _Block()), ("0", "1", "2")),
+    # Mixed types: not a repeated container, no unit roots (units come from children).
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), ()),
+    # One child is not "repeated".
+    (lambda: nn.ModuleDict({"blocks": nn.ModuleList([_Block()])}), ()),
+    # Parameter-less children (activations) do not make a repeated container.
+    (lambda: nn.ModuleDict({"acts": nn.ModuleList([nn.ReLU(), nn.ReLU()])}), ()),
+    # Repeated children found below ordinary modules, with their full paths.
+    (lambda: nn.ModuleDict({"enc": nn.ModuleDict({"layers": nn.ModuleList(
+        [_Block(), _Block()])}), "head": nn.Linear(4, 2)}), ("enc.layers.0", "enc.layers.1")),
+    # Two separate repeated containers.
+    (lambda: nn.ModuleDict({"a": nn.ModuleList([_Block(), _Block()]),
+                            "b": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])}),
+     ("a.0", "a.1", "b.0", "b.1")),
+    # Sequential of Sequentials of identical blocks: the inner blocks.
+    (lambda: nn.Sequential(nn.Sequential(_Block(), _Block()), nn.Sequential(_Block(), _Block())),
+     ("0.0", "0.1", "1.0", "1.1")),
+])
+def test_find_unit_roots(build, expected):
+    assert find_unit_roots(build()) == expected
+
+
+def test_find_unit_roots_on_zoo_models():
+    assert find_unit_roots(models.GPT()) == ("h.0", "h.1", "h.2", "h.3")
+    assert find_unit_roots(models.BNNet()) == ("layers.0", "layers.1", "layers.2")
+    assert find_unit_roots(models.ConvNet()) == ()
+    # A stage whose blocks cover too little of its parameters stays one unit.
+    stage_heavy = models.Nested()
+    for stage in stage_heavy.encoder.stages:
+        stage.norm = nn.Linear(16, 16 * 40)  # dwarfs the blocks' parameters
+    assert find_unit_roots(stage_heavy) == ("encoder.stages.0", "encoder.stages.1")
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_every_node_in_exactly_one_contiguous_unit(name):
+    """Every computing node belongs to one unit; units are contiguous, non-empty runs in
+    graph order, so a node only reads state, user inputs or values of its own or an
+    earlier unit."""
+    c = compiled(name)
+    graph = c.traced.graph_module.graph
+    computing = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    assert set(c.layers.node_unit) == {n.name for n in computing}
+    order = [c.layers.node_unit[n.name] for n in computing]
+    assert order == sorted(order), "units are not contiguous in graph order"
+    assert sorted(set(order)) == list(range(len(c.layers.units)))
+    for unit in c.layers.units:
+        assert unit.num_nodes == order.count(unit.index)
+    for node in computing:
+        for arg in node.all_input_nodes:
+            if arg.op != "placeholder":
+                assert c.layers.node_unit[arg.name] <= c.layers.node_unit[node.name]
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_unit_programs_read_only_earlier_values(name):
+    """The unit programs' explicit signatures agree: every input of unit i is a user input
+    or an output of a unit before i; every state name is a state slot."""
+    program = compiled(name).plan.program
+    available = {n for n in program.inputs.names if n is not None}
+    state = {s.name for s in program.state}
+    for unit in program.units:
+        assert set(unit.inputs) <= available, (unit.name, set(unit.inputs) - available)
+        assert set(unit.state) <= state
+        assert not set(unit.outputs) & available  # nothing is produced twice
+        available |= set(unit.outputs)
+    for ref in program.outputs:
+        assert ref.value is None or ref.value in available

@@ -1,0 +1,251 @@
+"""Tests for roundpipe.passes.trace: every zoo model traces with the expected method, state
+slots are explicit and deduplicated, inputs/outputs keep their structure, failures explain
+themselves."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+import models
+from compiled import compiled
+from roundpipe.errors import ModelError, TraceError
+from roundpipe.passes.trace import trace
+
+EXPORTABLE = [name for name in models.ALL if name != "data_dependent"]
+
+
+def _source_line(func, needle: str) -> int:
+    """Line number (in its file) of the first source line of ``func`` containing ``needle``."""
+    lines, start = inspect.getsourcelines(func)
+    for offset, line in enumerate(lines):
+        if needle in line:
+            return start + offset
+    raise AssertionError(f"{needle!r} not in {func.__qualname__}")
+
+
+def _run_traced_graph(traced, model, args, kwargs):
+    """Run the flat traced graph: state placeholders get ``model``'s tensors (by the slot's
+    fully-qualified name), user placeholders the flattened call; ``out_spec`` rebuilds the
+    output structure."""
+    gm = traced.graph_module
+    state = {s.name: s for s in traced.state}
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    user = [n.name for n in nodes if n.name not in state]
+    if traced.inputs.kind == "pytree":
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        assert spec == traced.inputs.spec
+    else:  # torch.fx: one placeholder per forward parameter
+        leaves = list(args)
+    by_name = dict(zip(user, leaves))
+
+    def value(name):
+        if name not in state:
+            return by_name[name]
+        spec = state[name]
+        if spec.kind == "parameter":
+            return model.get_parameter(spec.fqn)
+        if spec.kind == "buffer":
+            return model.get_buffer(spec.fqn)
+        return traced.constants[name]
+
+    flat = gm(*[value(n.name) for n in nodes])
+    assert len(flat) == len(traced.outputs)
+    return pytree.tree_unflatten(list(flat), traced.out_spec)
+
+
+@pytest.mark.parametrize("name", EXPORTABLE)
+def test_zoo_model_traces_with_export(name):
+    """Every model but data_dependent goes through torch.export, with nothing to note, and
+    the flat graph computes what the model computes."""
+    c = compiled(name)
+    assert c.traced.method in ("export", "export-static")
+    assert c.plan.program.trace_method == c.traced.method
+    assert c.traced.notes == ()
+    # Eager and graph each run on their own copy: BatchNorm updates its running stats.
+    eager, graph = copy.deepcopy(c.model), copy.deepcopy(c.model)
+    with torch.no_grad():
+        expected = eager(*c.args, **c.kwargs)
+        got = _run_traced_graph(c.traced, graph, c.args, c.kwargs)
+    exp_leaves, exp_spec = pytree.tree_flatten(expected)
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    assert got_spec == exp_spec
+    for e, g in zip(exp_leaves, got_leaves):
+        assert torch.equal(e, g)
+    for (fqn, e), g in zip(eager.named_buffers(), graph.buffers()):
+        assert torch.equal(e, g), fqn
+
+
+def test_exported_inputs_are_dynamic():
+    """Batch and sequence dims of the GPT's inputs are left dynamic (None), so one trace
+    serves every batch size and sequence length."""
+    static = compiled("gpt").traced.inputs.static
+    assert static == (("tensor", torch.int64, (None, None)),
+                      ("tensor", torch.float32, (None, None)))
+
+
+def test_data_dependent_falls_back_to_fx_with_notes():
+    """Data-dependent control flow inside the blocks defeats torch.export; the torch.fx
+    fallback keeps the blocks opaque, and the notes say why export was not used, naming
+    the source line."""
+    c = compiled("data_dependent")
+    assert c.traced.method == "fx"
+    assert c.plan.notes == c.traced.notes
+    line = _source_line(models.Gate.forward, "if x.sum() > 0")
+    assert len(c.traced.notes) == 2
+    assert c.traced.notes[0].startswith("export failed:")
+    assert c.traced.notes[1].startswith("export-static failed:")
+    for note in c.traced.notes:
+        assert f"models.py:{line}" in note
+        assert "x.sum() > 0" in note
+    # The graph still computes the model, whichever branch each gate takes, at a batch
+    # size other than the example's.
+    torch.manual_seed(3)
+    for x in (torch.randn(5, 8), -torch.randn(5, 8).abs(), torch.randn(5, 8).abs()):
+        with torch.no_grad():
+            assert torch.equal(_run_traced_graph(c.traced, c.model, (x,), {}), c.model(x))
+
+
+def test_untraceable_model_names_the_line_and_what_was_tried():
+    model, args, kwargs = models.untraceable()
+    line = _source_line(models.Untraceable.forward, "if y.sum() > 0")
+    with pytest.raises(TraceError) as info:
+        trace(model, args, kwargs)
+    message = str(info.value)
+    assert isinstance(info.value, RuntimeError)  # the builtin type callers catch
+    assert "Untraceable" in message
+    assert f"models.py:{line}" in message
+    assert "if y.sum() > 0" in message
+    for method in ("export:", "export-static:", "fx:"):
+        assert f"  - {method}" in message
+    assert "Make the failing line traceable" in message  # the way out
+
+
+def test_model_without_parameters_is_rejected():
+    with pytest.raises(ModelError, match="no parameters") as info:
+        trace(models.NoParams(), (torch.randn(2, 3),))
+    assert isinstance(info.value, ValueError)
+
+
+def test_tied_weights_share_one_state_slot():
+    """GPT ties head.weight to wte.weight: one parameter slot, the other name an alias,
+    read by both the wte and the head units; the slot holds the model's own tensor."""
+    c = compiled("gpt")
+    state = c.plan.program.state
+    tied = [s for s in state if "wte.weight" in (s.fqn, *s.aliases)]
+    assert len(tied) == 1
+    slot = tied[0]
+    assert slot.fqn == "wte.weight" and slot.aliases == ("head.weight",)
+    assert not any(s.fqn == "head.weight" for s in state)
+    names = [u.name for u in c.plan.units]
+    assert slot.units == (names.index("wte"), names.index("head"))
+    assert c.traced.state_tensors[slot.name] is c.model.wte.weight
+    # One slot per distinct tensor: parameters() already deduplicates tied ones.
+    distinct = len(list(c.model.parameters())) + len(list(c.model.buffers()))
+    assert len(state) == distinct
+    assert slot.nbytes == c.model.wte.weight.numel() * 4
+
+
+class _TiedGated(nn.Module):
+    """Tied embedding/head around data-dependent blocks: the torch.fx path must deduplicate
+    tied weights too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList([models.Gate(8) for _ in range(2)])
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_tied_weights_share_one_slot_in_the_fx_fallback():
+    torch.manual_seed(0)
+    model = _TiedGated()
+    traced = trace(model, (torch.randint(0, 10, (3, 4)),),
+                   leaf_modules=("blocks.0", "blocks.1"))
+    assert traced.method == "fx"
+    tied = [s for s in traced.state if s.fqn in ("emb.weight", "head.weight")]
+    assert [(s.fqn, s.aliases) for s in tied] == [("emb.weight", ("head.weight",))]
+    assert len(traced.state) == len(list(model.parameters()))
+
+
+def test_kwargs_and_dict_output_survive():
+    """The GPT's attention_mask keyword reaches the graph, and the output is the model's
+    dict with its keys in order."""
+    c = compiled("gpt")
+    sig = c.traced.inputs
+    assert sig.kind == "pytree"
+    args, kwargs = pytree.tree_unflatten(list(sig.names), sig.spec)
+    assert args == ("idx",) and kwargs == {"attention_mask": "attention_mask"}
+    rebuilt = pytree.tree_unflatten([r.value for r in c.traced.outputs], c.traced.out_spec)
+    assert isinstance(rebuilt, dict) and list(rebuilt) == ["logits", "hidden"]
+    with torch.no_grad():
+        expected = c.model(*c.args, **c.kwargs)
+        got = _run_traced_graph(c.traced, c.model, c.args, c.kwargs)
+    assert list(got) == ["logits", "hidden"]
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    # The mask matters: without it (all ones) the logits differ, so the graph really used it.
+    ones = {"attention_mask": torch.ones_like(c.kwargs["attention_mask"])}
+    with torch.no_grad():
+        unmasked = _run_traced_graph(c.traced, c.model, c.args, ones)
+    assert not torch.equal(unmasked["logits"], got["logits"])
+
+
+def test_dataclass_output_and_constant_kwarg_survive():
+    """DataclassNet returns a RegOut dataclass and takes ``scale=2.0``: the output is
+    rebuilt as a RegOut, and the float keyword is recorded as a specialised constant."""
+    c = compiled("dataclass_net")
+    got = _run_traced_graph(c.traced, c.model, c.args, c.kwargs)
+    assert isinstance(got, models.RegOut)
+    expected = c.model(*c.args, **c.kwargs)
+    assert torch.equal(got.pred, expected.pred) and torch.equal(got.features,
+                                                                 expected.features)
+    assert c.traced.inputs.static[1] == ("const", 2.0)
+    assert c.traced.inputs.names[1] is None  # the graph reads no placeholder for it
+
+
+def test_batchnorm_buffers_are_recorded_as_mutated():
+    """In training mode BatchNorm writes its running stats in place (aten.batch_norm has
+    no BUFFER_MUTATION output); each block's unit must list exactly its own BN buffers."""
+    c = compiled("bnnet")
+    program = c.plan.program
+    by_name = program.state_by_name()
+    for unit in program.units:
+        mutated = {by_name[s].fqn for s in unit.mutated_state}
+        if unit.name.startswith("layers."):
+            bn = f"{unit.name}.1"
+            assert mutated == {f"{bn}.running_mean", f"{bn}.running_var",
+                               f"{bn}.num_batches_tracked"}
+        else:
+            assert mutated == set()
+    assert {s.kind for s in program.state if "running" in s.fqn} == {"buffer"}
+
+
+def test_batchnorm_in_eval_mode_mutates_nothing():
+    model, args, kwargs = models.bnnet()
+    model.eval()
+    traced = trace(model, args, kwargs)
+    gm = traced.graph_module
+    assert not any(n.meta.get("roundpipe.mutates") for n in gm.graph.nodes)
+
+
+def test_constants_become_constant_slots():
+    """A plain tensor attribute and a tensor literal are 'constant' slots whose values are
+    kept with the program."""
+    c = compiled("const_net")
+    constants = [s for s in c.plan.program.state if s.kind == "constant"]
+    assert len(constants) == 2
+    assert set(c.plan.program.constants) == {s.name for s in constants}
+    offset = next(s for s in constants if s.fqn == "offset")
+    assert torch.equal(c.plan.program.constants[offset.name], c.model.offset)
