@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -11,10 +12,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from .backprop import attach_backward
-from .compiler import compile_model, make_plan
+from .compiler import Analysis, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .errors import ConfigError, InputError, ModelError, RoundPipeError
-from .passes.cost import CostReport, DeviceModel, with_measured_times
+from .passes.cost import DeviceModel, with_measured_times
 from .plan import StagePlan
 from .runtime.devices import Device, resolve_devices
 from .runtime.executor import Executor, RunResult, RunStats
@@ -37,7 +38,7 @@ class _Compiled:
     host: HostState
     executor: Executor
     training: tuple[bool, ...]
-    report: CostReport | None = None
+    analysis: Analysis
 
 
 class RoundPipe:
@@ -152,11 +153,14 @@ class RoundPipe:
         if self._compiled:
             log.info("roundpipe: recompiling %s for a new input signature or mode",
                      type(self.model).__name__)
-        plan = compile_model(
-            self.model, example[0], example[1], num_devices=len(self.devices),
-            num_microbatch=cfg.num_microbatch, example_is_microbatch=per_mb,
-            device_model=self.device_model, memory_cap=self.memory_cap,
-            num_stages=self.num_stages, recompute_grain=cfg.recompute_grain)
+        analysis = analyze(self.model, example[0], example[1],
+                           cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
+                           device_model=self.device_model)
+        plan = make_plan(analysis.program, analysis.units, analysis.report,
+                         num_devices=len(self.devices), num_microbatch=cfg.num_microbatch,
+                         device_model=self.device_model, memory_cap=self.memory_cap,
+                         num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
+                         notes=analysis.notes)
         for a, k in mbs:
             if not matches(plan.program.inputs, a, k):
                 raise InputError(
@@ -165,7 +169,7 @@ class RoundPipe:
                     "microbatch matches them; use a batch divisible by num_microbatch or make "
                     "the model's shapes dynamic")
         host = HostState(self._state, plan.program)
-        entry = _Compiled(plan, host, Executor(plan, host, self.devices), training)
+        entry = _Compiled(plan, host, Executor(plan, host, self.devices), training, analysis)
         self._compiled.append(entry)
         self._current = entry
         return entry
@@ -178,14 +182,14 @@ class RoundPipe:
         if entry is None:
             return self.plan  # raises the "not compiled" error
         plan = entry.plan
-        costs = plan.costs
+        report = entry.analysis.report
         if use_measured and self._stats is not None:
             m = max(1, plan.num_microbatch)
             fwd = {u: t / m for u, t in self._stats.unit_fwd_s.items()}
             bwd = {u: max(0.0, t / m - fwd.get(u, 0.0)) for u, t in
                    self._stats.unit_bwd_s.items()}
-            costs = with_measured_times(costs, fwd, bwd)
-        report = CostReport(units=costs, values={}, cut_bytes=())
+            report = dataclasses.replace(report,
+                                         units=with_measured_times(report.units, fwd, bwd))
         new = make_plan(plan.program, plan.units, report, num_devices=len(self.devices),
                         num_microbatch=plan.num_microbatch, device_model=self.device_model,
                         memory_cap=options.get("memory_cap", self.memory_cap),

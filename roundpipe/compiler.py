@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from .errors import PartitionError
+from .errors import ConfigError, PartitionError
 from .passes.codegen import build_stage_module, generate_unit_programs
 from .passes.cost import CostReport, DeviceModel, estimate_costs
 from .passes.layers import assign_layers, find_unit_roots
@@ -22,6 +23,45 @@ log = logging.getLogger(__name__)
 
 PASSES = ("trace", "layers", "codegen(units)", "cost", "partition", "recompute",
           "codegen(stages)")
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What the passes up to cost produce; enough to partition again without tracing."""
+
+    program: ModelProgram
+    units: tuple[LayerUnit, ...]
+    report: CostReport
+    notes: tuple[str, ...]
+
+
+def analyze(
+    model: torch.nn.Module,
+    example_args: tuple[Any, ...] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    cost_scale: float = 1.0,
+    device_model: DeviceModel | None = None,
+) -> Analysis:
+    """Trace ``model`` and estimate its per-unit costs.
+
+    Args:
+        model, example_args, example_kwargs: the model (on the CPU) and one example call.
+        cost_scale: factor from the example to one microbatch (``1 / num_microbatch``
+            when the example is a whole batch).
+        device_model: throughput figures for the cost model (default: the CPU's).
+    """
+    device_model = device_model or DeviceModel.for_device("cpu")
+    # 1. trace: one flat graph, state as placeholders, tied weights deduplicated.
+    roots = find_unit_roots(model)
+    traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots)
+    # 2. layers: group nodes into layer units (repeated blocks, prologue, epilogue).
+    layers = assign_layers(traced, roots)
+    # 6a. codegen: one program per unit; cuts only ever fall between units.
+    program = generate_unit_programs(traced, layers)
+    # 3. cost: FLOPs and bytes per unit on fake tensors, liveness across every cut.
+    report = estimate_costs(traced, layers, program, device_model, scale=cost_scale)
+    return Analysis(program, layers.units, report, traced.notes)
 
 
 def compile_model(
@@ -41,7 +81,8 @@ def compile_model(
 
     Args:
         model: the model (on the CPU).
-        example_args, example_kwargs: one example call, a whole batch.
+        example_args, example_kwargs: one example call (a whole batch unless
+            ``example_is_microbatch``).
         num_devices: devices the plan is balanced for.
         num_microbatch: microbatches per batch (default ``num_devices + 1``); costs are
             estimated per microbatch.
@@ -52,26 +93,26 @@ def compile_model(
             memory cap demands it).
         recompute_grain: default grain shown in the plan (each call may override it).
     """
+    if num_microbatch is None:
+        num_microbatch = num_devices + 1
+    if isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int) \
+            or num_microbatch < 1:
+        raise ConfigError(f"num_microbatch must be a positive int, got {num_microbatch!r}")
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ConfigError(f"num_devices must be a positive int, got {num_devices!r}")
     started = time.perf_counter()
-    num_microbatch = num_microbatch or num_devices + 1
     device_model = device_model or DeviceModel.for_device("cpu")
-    # 1. trace: one flat graph, state as placeholders, tied weights deduplicated.
-    roots = find_unit_roots(model)
-    traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots)
-    # 2. layers: group nodes into layer units (repeated blocks, prologue, epilogue).
-    layers = assign_layers(traced, roots)
-    # 6a. codegen: one program per unit; cuts only ever fall between units.
-    program = generate_unit_programs(traced, layers)
-    # 3. cost: FLOPs and bytes per unit on fake tensors, liveness across every cut.
-    scale = 1.0 if example_is_microbatch else 1.0 / num_microbatch
-    report = estimate_costs(traced, layers, program, device_model, scale=scale)
-    plan = make_plan(program, layers.units, report, num_devices=num_devices,
-                     num_microbatch=num_microbatch, device_model=device_model,
-                     memory_cap=memory_cap, num_stages=num_stages,
-                     recompute_grain=recompute_grain, notes=traced.notes)
+    analysis = analyze(model, example_args, example_kwargs,
+                       cost_scale=1.0 if example_is_microbatch else 1.0 / num_microbatch,
+                       device_model=device_model)
+    plan = make_plan(analysis.program, analysis.units, analysis.report,
+                     num_devices=num_devices, num_microbatch=num_microbatch,
+                     device_model=device_model, memory_cap=memory_cap,
+                     num_stages=num_stages, recompute_grain=recompute_grain,
+                     notes=analysis.notes)
     log.info("roundpipe: compiled %s (%s, %d units, %d stages) in %.2f s",
-             type(model).__name__, traced.method, len(layers.units), len(plan.stages),
-             time.perf_counter() - started)
+             type(model).__name__, analysis.program.trace_method, len(analysis.units),
+             len(plan.stages), time.perf_counter() - started)
     return plan
 
 
@@ -189,7 +230,7 @@ def _stage_spec(index: int, kind: str, units_range: tuple[int, int], program: Mo
     state = {s for u in program.units[start:stop] for s in u.state}
     by_name = program.state_by_name()
     param_bytes = sum(by_name[s].nbytes for s in state)
-    trainable = sum(c.trainable_bytes for c in costs)
+    trainable = sum(by_name[s].nbytes for s in state if by_name[s].requires_grad)
     activations = sum(c.activation_bytes for c in costs)
     act_in, act_out = report.crossing(start, stop)
     if kind == "fwd":

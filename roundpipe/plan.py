@@ -44,6 +44,8 @@ class StateSpec:
             ``forward``; its value is stored in ``ModelProgram.constants``).
         shape, dtype, nbytes: metadata of the tensor at trace time.
         units: indices of the layer units that read it.
+        requires_grad: whether the parameter was trainable at trace time (the runtime
+            reads the live flag; this one feeds memory estimates).
     """
 
     name: str
@@ -54,6 +56,7 @@ class StateSpec:
     dtype: torch.dtype
     nbytes: int
     units: tuple[int, ...] = ()
+    requires_grad: bool = False
 
 
 @dataclass(frozen=True)

@@ -444,3 +444,29 @@ def test_state_dict_round_trips_bit_exactly_while_a_step_is_pending():
     plain.load_state_dict(sd)
     pipe.close()
     other.close()
+
+
+def test_replan_uses_measured_times_and_keeps_training_exact():
+    model, args, kwargs, label, loss_fn = reference.case("gpt")
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(copy.deepcopy(model), devices=["cpu"] * 3,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=label, loss_fn=loss_fn)
+    before = pipe.plan
+    after = pipe.replan()
+    assert pipe.plan is after
+    measured = [c for c in after.costs if c.measured_fwd_s is not None]
+    assert len(measured) == after.fused_stage.units[0]  # every unit before the tail
+    assert any(c.measured_bwd_s is not None for c in after.costs)
+    # activation bytes are still known after replanning
+    assert any(s.act_out_bytes > 0 for s in after.stages)
+    assert before.units == after.units
+    for p in pipe.optim_parameters():
+        p.grad = None
+    loss = pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=label,
+                                 loss_fn=loss_fn)
+    ref = reference.eager_forward_backward(eager, args, kwargs, label, loss_fn, 3)
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=0)
+    for p, q in zip(pipe.optim_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    pipe.close()

@@ -69,9 +69,20 @@ def generate_unit_programs(traced: TracedGraph, layers: LayerAssignment,
     )
 
 
-def _is_random(target: Any) -> bool:
-    tags = getattr(target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+def _is_random(node: torch.fx.Node) -> bool:
+    """A seeded random op that really draws: ``scaled_dot_product_attention`` with
+    ``dropout_p=0`` and ``dropout`` with ``p=0`` (the common cases) are tagged random but
+    are not."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p" or (arg.name == "p" and "dropout" in schema.name):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(
+                arg.name, arg.default_value)
+            if isinstance(value, (int, float)) and value == 0:
+                return False
+    return True
 
 
 def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.fx.Node],
@@ -90,12 +101,12 @@ def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.
 
     needs_device = any(_has_device(n.args, trace_device) or _has_device(n.kwargs, trace_device)
                        for n in nodes if n.target not in _DROPPED)
-    needs_rng = any(_is_random(n.target) or n.target in _FUNCTIONAL_DROPOUT
+    needs_rng = any(_is_random(n) or n.target in _FUNCTIONAL_DROPOUT
                     or (n.target is call_module_functional
                         and _may_be_random(_get_module(traced, n)))
                     for n in nodes)
     needs_device = needs_device or (needs_rng and any(
-        (_is_random(n.target) and n.target not in (torch.ops.aten.dropout.default,
+        (_is_random(n) and n.target not in (torch.ops.aten.dropout.default,
                                                    torch.ops.aten.native_dropout.default))
         or n.target is call_module_functional for n in nodes))
 
@@ -124,7 +135,7 @@ def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.
                                else rewrite_device(a))
         new: torch.fx.Node
         if node.op == "call_function" and rng_ph is not None and (
-                _is_random(node.target) or node.target in _FUNCTIONAL_DROPOUT
+                _is_random(node) or node.target in _FUNCTIONAL_DROPOUT
                 or (node.target is call_module_functional
                     and _may_be_random(_get_module(traced, node)))):
             new = _random_call(g, node, args, kwargs, rng_ph, device_ph, index, ordinal,

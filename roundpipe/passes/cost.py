@@ -105,12 +105,23 @@ def _is_view(node: torch.fx.Node) -> bool:
                 is not None and not schema.returns[0].alias_info.is_write)
 
 
+# Ops that read only the rows they gather from a state tensor, not all of it.
+_GATHERS = {torch.ops.aten.embedding.default}
+
+
 class _CostInterpreter(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, counter: FlopCounterMode) -> None:
+    """Runs the graph and records, per node, FLOPs, the bytes it reads and writes, and the
+    bytes of the value it produces.  Reads of state (weights) are kept apart: they do not
+    shrink with the microbatch."""
+
+    def __init__(self, gm: torch.fx.GraphModule, counter: FlopCounterMode,
+                 state_names: set[str]) -> None:
         super().__init__(gm)
         self.counter = counter
+        self.state_names = state_names
         self.flops: dict[str, int] = {}
-        self.traffic: dict[str, int] = {}
+        self.act_traffic: dict[str, int] = {}
+        self.state_traffic: dict[str, int] = {}
         self.out_bytes: dict[str, int] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
@@ -118,9 +129,19 @@ class _CostInterpreter(torch.fx.Interpreter):
         result = super().run_node(n)
         if n.op in ("call_function", "call_method", "call_module"):
             self.flops[n.name] = self.counter.get_total_flops() - before
-            produced = 0 if _is_view(n) else _tensor_bytes(result)
-            read = sum(_tensor_bytes(self.env[a]) for a in n.all_input_nodes if a in self.env)
-            self.traffic[n.name] = 0 if _is_view(n) else read + produced
+            view = _is_view(n)
+            produced = 0 if view else _tensor_bytes(result)
+            act_read = state_read = 0
+            for a in n.all_input_nodes:
+                if a not in self.env:
+                    continue
+                if a.name in self.state_names:
+                    state_read += produced if n.target in _GATHERS else _tensor_bytes(
+                        self.env[a])
+                else:
+                    act_read += _tensor_bytes(self.env[a])
+            self.act_traffic[n.name] = 0 if view else act_read + produced
+            self.state_traffic[n.name] = 0 if view else state_read
             self.out_bytes[n.name] = produced
         elif n.op == "placeholder":
             self.out_bytes[n.name] = _tensor_bytes(result)
@@ -154,25 +175,7 @@ def estimate_costs(traced: TracedGraph, layers: LayerAssignment, program: ModelP
     """
     gm = traced.graph_module
     model_state = traced.state_tensors
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    args: list[Any] = []
-    input_iter = iter(traced.example_inputs)
-    with fake_mode:
-        for node in placeholders:
-            value = model_state[node.name] if node.name in model_state else next(input_iter)
-            args.append(fake_mode.from_tensor(value) if isinstance(value, torch.Tensor)
-                        else value)
-    counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
-    interp = _CostInterpreter(gm, counter)
-    with fake_mode, counter:
-        try:
-            interp.run(*args)
-        except Exception as e:  # noqa: BLE001 - estimates are optional; fall back to sizes
-            log.warning("roundpipe: cost estimation on fake tensors failed (%s); "
-                        "balancing by node count instead", e)
-            interp.flops = {}
-            interp.traffic = {}
+    interp = _interpret(traced)
 
     n_units = len(layers.units)
     state_by_name = {s.name: s for s in program.state}
@@ -180,11 +183,12 @@ def estimate_costs(traced: TracedGraph, layers: LayerAssignment, program: ModelP
     for unit, unit_program in zip(layers.units, program.units):
         names = [name for name, u in layers.node_unit.items() if u == unit.index]
         flops = sum(interp.flops.get(nm, 0) for nm in names)
-        traffic = sum(interp.traffic.get(nm, 0) for nm in names)
-        kernels = sum(1 for nm in names if interp.traffic.get(nm, 1) > 0)
+        traffic = sum(interp.act_traffic.get(nm, 0) * scale + interp.state_traffic.get(nm, 0)
+                      for nm in names)
+        kernels = sum(1 for nm in names if interp.act_traffic.get(nm, 1) > 0)
         activation = sum(interp.out_bytes.get(nm, 0) for nm in names)
         fwd = (max(flops * scale / device_model.flops_per_s,
-                   traffic * scale / device_model.bytes_per_s)
+                   traffic / device_model.bytes_per_s)
                + kernels * device_model.launch_s)
         params = sum(state_by_name[s].nbytes for s in unit_program.state)
         trainable = sum(state_by_name[s].nbytes for s in unit_program.state
@@ -192,7 +196,7 @@ def estimate_costs(traced: TracedGraph, layers: LayerAssignment, program: ModelP
                         and model_state[s].requires_grad)
         units.append(UnitCost(
             fwd_flops=int(flops * scale),
-            fwd_bytes=int(traffic * scale),
+            fwd_bytes=int(traffic),
             fwd_time_s=fwd,
             bwd_time_s=2.0 * fwd,
             param_bytes=params,
@@ -205,6 +209,45 @@ def estimate_costs(traced: TracedGraph, layers: LayerAssignment, program: ModelP
     cut_bytes = _cut_bytes(values, n_units)
     units = [dataclasses.replace(u, output_bytes=cut_bytes[i + 1]) for i, u in enumerate(units)]
     return CostReport(units=tuple(units), values=values, cut_bytes=cut_bytes)
+
+
+def _interpret(traced: TracedGraph) -> _CostInterpreter:
+    """Interpret the graph on fake tensors; when that fails (data-dependent code, which is
+    also what sends a model to the torch.fx fallback), run it once for real, on copies of
+    the state so buffers are not updated."""
+    gm = traced.graph_module
+    model_state = traced.state_tensors
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def inputs(convert: Any) -> list[Any]:
+        values, example = [], iter(traced.example_inputs)
+        for node in placeholders:
+            value = model_state[node.name] if node.name in model_state else next(example)
+            values.append(convert(value) if isinstance(value, torch.Tensor) else value)
+        return values
+
+    state_names = set(model_state)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        fake_args = inputs(fake_mode.from_tensor)
+    counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
+    interp = _CostInterpreter(gm, counter, state_names)
+    try:
+        with fake_mode, counter:
+            interp.run(*fake_args)
+        return interp
+    except Exception as e:  # noqa: BLE001 - any failure: measure with real tensors instead
+        log.info("roundpipe: cost estimation on fake tensors failed (%s); running the "
+                 "example once for real", e)
+    counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
+    interp = _CostInterpreter(gm, counter, state_names)
+    try:
+        with torch.no_grad(), counter:
+            interp.run(*inputs(lambda t: t.detach().clone()))
+    except Exception as e:  # noqa: BLE001 - estimates are optional
+        log.warning("roundpipe: cost estimation failed (%s); balancing by parameter size", e)
+        interp = _CostInterpreter(gm, counter, state_names)
+    return interp
 
 
 def _value_infos(graph: torch.fx.Graph, layers: LayerAssignment, traced: TracedGraph,

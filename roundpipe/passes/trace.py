@@ -484,7 +484,8 @@ def _state_spec(name: str, fqn: str, aliases: tuple[str, ...], kind: str,
                 tensor: torch.Tensor) -> StateSpec:
     return StateSpec(name=name, fqn=fqn, aliases=aliases, kind=kind,  # type: ignore[arg-type]
                      shape=tuple(tensor.shape), dtype=tensor.dtype,
-                     nbytes=tensor.numel() * tensor.element_size())
+                     nbytes=tensor.numel() * tensor.element_size(),
+                     requires_grad=kind == "parameter" and tensor.requires_grad)
 
 
 def _first_line(e: BaseException) -> str:
