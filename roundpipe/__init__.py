@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .api import RoundPipe, compile
 from .config import RoundPipeRunConfig
+from .grad_scaler import GradScaler
 from .errors import (ConfigError, InputError, LossError, ModelError, OutOfMemoryError,
                      PartitionError, RoundPipeError, StageError, StepError, TraceError,
                      UnknownConfigFieldError)
@@ -20,6 +21,7 @@ __all__ = [
     "RoundPipe",
     "RoundPipeRunConfig",
     "StagePlan",
+    "GradScaler",
     "RoundPipeError",
     "ConfigError",
     "UnknownConfigFieldError",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,7 +17,8 @@ from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .errors import ConfigError, InputError, ModelError, RoundPipeError
 from .passes.cost import DeviceModel, with_measured_times
 from .plan import StagePlan
-from .runtime.devices import Device, resolve_devices
+from .runtime.devices import Device, parse_bytes, resolve_devices
+from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.host_state import HostState, ModelState
 from .runtime.microbatch import (batch_size_of, check_on_cpu, merge_outputs, split_inputs,
@@ -32,13 +33,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Compiled:
     """One compiled program with its executor (a model may have several: new shapes,
-    train/eval mode)."""
+    train/eval mode), and its plans by memory cap (a per-call ``memory_fraction``
+    re-partitions without tracing)."""
 
     plan: StagePlan
     host: HostState
     executor: Executor
     training: tuple[bool, ...]
     analysis: Analysis
+    by_cap: dict[int | None, tuple[StagePlan, Executor]] = field(default_factory=dict)
 
 
 class RoundPipe:
@@ -57,7 +60,16 @@ class RoundPipe:
         devices: ``None`` (every visible CUDA device, else one CPU device; the environment
             variable ``ROUNDPIPE_DEVICES=cpu,cpu`` overrides), or a list such as
             ``["cpu"] * 4`` (virtual CPU devices) or ``["cuda:0", "cuda:1"]``.
-        memory_cap: bytes a stage may use on a device (None: unlimited).
+        memory_cap: bytes a stage may use on a device.  Default: half of
+            ``memory_fraction`` of the smallest device's free memory (current + prefetched
+            stage must fit), unlimited for virtual CPU devices without a capacity.
+        device_memory: capacity of each virtual CPU device (e.g. ``"64MiB"``; default
+            ``ROUNDPIPE_VIRTUAL_MEMORY``, else unlimited).  Uploads beyond it raise
+            :class:`~roundpipe.OutOfMemoryError`, as a GPU would.
+        pin_memory: how host state is made copyable at full speed on CUDA: ``"alloc"``
+            (copy into page-locked memory; the CUDA host allocator may round sizes up),
+            ``"register"`` (page-lock the existing memory in place) or ``"off"``.  No effect
+            without CUDA devices.
         num_stages: exact number of stages (default: devices + 1, more if memory demands).
         seed: base seed of the keyed dropout streams (default ``torch.initial_seed()``).
     """
@@ -69,7 +81,9 @@ class RoundPipe:
         optim_dtype: torch.dtype | None = None,
         model_run_config: RoundPipeRunConfig | None = None,
         devices: Sequence[str | torch.device] | None = None,
-        memory_cap: int | None = None,
+        memory_cap: int | str | None = None,
+        device_memory: int | str | None = None,
+        pin_memory: str = "alloc",
         num_stages: int | None = None,
         seed: int | None = None,
         device_model: DeviceModel | None = None,
@@ -94,8 +108,11 @@ class RoundPipe:
                               f"{optim_dtype!r}")
         object.__setattr__(self, "model", model)
         self.model_run_config = model_run_config or RoundPipeRunConfig()
-        self.devices: list[Device] = resolve_devices(devices)
-        self.memory_cap = memory_cap
+        self.devices: list[Device] = resolve_devices(devices, device_memory)
+        self.memory_cap = parse_bytes(memory_cap)
+        if pin_memory not in PIN_MODES:
+            raise ConfigError(f"pin_memory must be one of {PIN_MODES}, got {pin_memory!r}")
+        self.pin_memory = pin_memory
         self.num_stages = num_stages
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self.device_model = device_model or DeviceModel.for_device(self.devices[0].torch_device)
@@ -107,6 +124,8 @@ class RoundPipe:
         self._stats: RunStats | None = None
         self._lock = threading.RLock()
         self._closed = False
+        self._step_hooks: list[Callable[[], None]] = []  # run as a step is enqueued
+        self._sync_hooks: list[Callable[[], None]] = []  # run after synchronize()
 
     # --- compilation ---------------------------------------------------------------------
     def compile(self, example_args: tuple[Any, ...] = (),
@@ -140,9 +159,11 @@ class RoundPipe:
                       full_args: tuple[Any, ...], full_kwargs: dict[str, Any],
                       cfg: ResolvedRunConfig) -> _Compiled:
         training = self._training_flags()
+        cap = self._memory_cap(cfg)
         for entry in self._compiled:
             if entry.training == training and all(
                     matches(entry.plan.program.inputs, a, k) for a, k in mbs):
+                self._use_cap(entry, cap, cfg)
                 self._current = entry
                 return entry
         # Trace one microbatch when it has at least 2 samples (a batch of 1 would be
@@ -153,12 +174,14 @@ class RoundPipe:
         if self._compiled:
             log.info("roundpipe: recompiling %s for a new input signature or mode",
                      type(self.model).__name__)
-        analysis = analyze(self.model, example[0], example[1],
-                           cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
-                           device_model=self.device_model)
+        kind = self.devices[0].torch_device.type
+        with torch.autocast(kind, enabled=False):  # programs are traced without autocast
+            analysis = analyze(self.model, example[0], example[1],
+                               cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
+                               device_model=self.device_model)
         plan = make_plan(analysis.program, analysis.units, analysis.report,
                          num_devices=len(self.devices), num_microbatch=cfg.num_microbatch,
-                         device_model=self.device_model, memory_cap=self.memory_cap,
+                         device_model=self.device_model, memory_cap=cap,
                          num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
                          notes=analysis.notes)
         for a, k in mbs:
@@ -169,10 +192,35 @@ class RoundPipe:
                     "microbatch matches them; use a batch divisible by num_microbatch or make "
                     "the model's shapes dynamic")
         host = HostState(self._state, plan.program)
+        if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
+            pin_host_state(self._state, host, self.pin_memory)
         entry = _Compiled(plan, host, Executor(plan, host, self.devices), training, analysis)
+        entry.by_cap[cap] = (entry.plan, entry.executor)
         self._compiled.append(entry)
         self._current = entry
         return entry
+
+    def _memory_cap(self, cfg: ResolvedRunConfig) -> int | None:
+        """Per-stage cap: explicit, else half the fraction of the smallest free memory."""
+        if self.memory_cap is not None:
+            return self.memory_cap
+        free = [d.free_bytes() for d in self.devices]
+        if any(f is None for f in free):
+            return None
+        return int(min(free) * cfg.memory_fraction / 2)  # type: ignore[type-var]
+
+    def _use_cap(self, entry: _Compiled, cap: int | None, cfg: ResolvedRunConfig) -> None:
+        if entry.plan.memory_cap == cap:
+            return
+        if cap not in entry.by_cap:
+            a = entry.analysis
+            plan = make_plan(a.program, a.units, a.report, num_devices=len(self.devices),
+                             num_microbatch=cfg.num_microbatch,
+                             device_model=self.device_model, memory_cap=cap,
+                             num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
+                             notes=a.notes)
+            entry.by_cap[cap] = (plan, Executor(plan, entry.host, self.devices))
+        entry.plan, entry.executor = entry.by_cap[cap]
 
     def replan(self, *, use_measured: bool = True, **options: Any) -> StagePlan:
         """Recompute the partition of the current program (no retrace), from the per-unit
@@ -192,16 +240,24 @@ class RoundPipe:
                                          units=with_measured_times(report.units, fwd, bwd))
         new = make_plan(plan.program, plan.units, report, num_devices=len(self.devices),
                         num_microbatch=plan.num_microbatch, device_model=self.device_model,
-                        memory_cap=options.get("memory_cap", self.memory_cap),
+                        memory_cap=options.get("memory_cap", plan.memory_cap),
                         num_stages=options.get("num_stages", self.num_stages),
                         notes=plan.notes)
         entry.plan = new
         entry.executor = Executor(new, entry.host, self.devices)
+        entry.by_cap[new.memory_cap] = (entry.plan, entry.executor)
         return new
 
     # --- calls ---------------------------------------------------------------------------
     def _config(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
         return self.model_run_config.overridden_by(run_config).resolve(len(self.devices))
+
+    def _autocast(self) -> tuple[str, torch.dtype] | None:
+        """The caller's autocast state for the devices' type, replayed in worker threads."""
+        kind = self.devices[0].torch_device.type
+        if not torch.is_autocast_enabled(kind):
+            return None
+        return kind, torch.get_autocast_dtype(kind)
 
     def _keys(self, cfg: ResolvedRunConfig) -> list[RngKey | None]:
         if not cfg.preserve_rng_state:
@@ -249,7 +305,8 @@ class RoundPipe:
             labels = split_label(label, cfg.num_microbatch, batch, cfg.split_label)
             result = entry.executor.train(
                 flat, labels, loss_fn, grain=cfg.recompute_grain, want_outputs=return_outputs,
-                keys=self._keys(cfg), fence_version=self._state.fences.target)
+                keys=self._keys(cfg), fence_version=self._state.fences.target,
+                autocast=self._autocast())
             self._finish(entry, result)
             loss = _sum_losses(result.losses)
             if return_outputs:
@@ -287,7 +344,8 @@ class RoundPipe:
             keys = self._keys(cfg)
             version = self._state.fences.target
             result = entry.executor.forward(flat, record=record, grain=cfg.recompute_grain,
-                                            keys=keys, fence_version=version)
+                                            keys=keys, fence_version=version,
+                                            autocast=self._autocast())
             self._finish(entry, result)
             merged = self._merge(entry, result, mbs, cfg)
             if not record:
@@ -307,12 +365,19 @@ class RoundPipe:
         ``is_async=False`` the weights are updated before ``step`` returns.  Without
         ``optim_dtype`` (no separate masters) the next call waits for the step instead.
         """
+        for hook in self._step_hooks:
+            hook()
         self._optimizer.step(step_fn, is_async=is_async)
+        if not is_async:
+            for hook in self._sync_hooks:
+                hook()
 
     def synchronize(self) -> None:
         """Wait for the optimizer; afterwards ``.grad`` and the weights are consistent and
         the model's weights equal the masters."""
         self._optimizer.synchronize()
+        for hook in self._sync_hooks:
+            hook()
 
     def optim_parameters(self) -> list[torch.Tensor]:
         """The tensors an optimizer should update: fp32 (``optim_dtype``) masters of the
@@ -364,6 +429,7 @@ class RoundPipe:
             self._optimizer.close()
             for device in self.devices:
                 device.close()
+            unpin(self._state)
 
     def __enter__(self) -> RoundPipe:
         return self

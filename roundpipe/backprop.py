@@ -40,6 +40,7 @@ class _Context:
         self.keys = keys
         self.grad_inputs = grad_inputs  # (value name, was split) per input requiring grad
         self.version = pipe._state.fences.target
+        self.autocast = pipe._autocast()
 
 
 class _PipelineBackward(torch.autograd.Function):
@@ -77,7 +78,7 @@ class _PipelineBackward(torch.autograd.Function):
         with pipe._lock:
             result = context.entry.executor.backward(
                 context.stash, output_grads, grain=context.cfg.recompute_grain,
-                keys=context.keys, fence_version=context.version)
+                keys=context.keys, fence_version=context.version, autocast=context.autocast)
             pipe._optimizer.wait()
             context.entry.host.commit(result.param_grads, {})
             pipe._stats = result.stats

@@ -51,6 +51,10 @@ class RoundPipeRunConfig:
             summed, anything else is taken from the first microbatch.
         requires_grad: whether :meth:`RoundPipe.forward` records for ``backward()``.
             Default: ``torch.is_grad_enabled()``.
+        memory_fraction: share of the smallest device's free memory the plan may use;
+            each stage gets half of it (the stage computing and the one prefetched).
+            Default: 0.9.  Ignored when ``RoundPipe(memory_cap=...)`` is given or the
+            devices have no known capacity (virtual CPU devices without one).
     """
 
     num_microbatch: int | None
@@ -61,6 +65,7 @@ class RoundPipeRunConfig:
     split_label: SplitSpec | Callable[..., Any] | None
     merge_output: MergeSpec | Callable[..., Any] | None
     requires_grad: bool | None
+    memory_fraction: float | None
 
     def __init__(
         self,
@@ -72,6 +77,7 @@ class RoundPipeRunConfig:
         split_label: SplitSpec | None = None,
         merge_output: MergeSpec | None = None,
         requires_grad: bool | None = None,
+        memory_fraction: float | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -100,6 +106,11 @@ class RoundPipeRunConfig:
                 output_device = torch.device(output_device)
             except (RuntimeError, TypeError) as e:
                 raise ConfigError(f"output_device {output_device!r} is not a device: {e}") from None
+        if memory_fraction is not None and (
+                isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float))
+                or not 0.0 < memory_fraction <= 1.0):
+            raise ConfigError(
+                f"memory_fraction must be a number in (0, 1], got {memory_fraction!r}")
         for name, value in (("preserve_rng_state", preserve_rng_state),
                             ("requires_grad", requires_grad)):
             if value is not None and not isinstance(value, bool):
@@ -113,6 +124,7 @@ class RoundPipeRunConfig:
             split_label=split_label,
             merge_output=merge_output,
             requires_grad=requires_grad,
+            memory_fraction=memory_fraction,
         )
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -146,6 +158,7 @@ class RoundPipeRunConfig:
             split_label=self.split_label,
             merge_output=self.merge_output,
             requires_grad=self.requires_grad,
+            memory_fraction=0.9 if self.memory_fraction is None else float(self.memory_fraction),
         )
 
 
@@ -161,3 +174,4 @@ class ResolvedRunConfig:
     split_label: Any
     merge_output: Any
     requires_grad: bool | None
+    memory_fraction: float

@@ -1,22 +1,31 @@
 """Devices: stateless workers that receive uploads, run stage jobs and return downloads.
 
-Each device owns one worker thread; jobs submitted to it run in submission order.  The
-scheduler only uses this interface, so CUDA specifics (streams, pinned memory, prefetch)
-live in :class:`CUDADevice` and nowhere else.
+Every device has the same three threads and the scheduler only uses this interface, so a
+virtual CPU device exercises the same ordering logic a GPU does:
 
-A :class:`VirtualCPUDevice` makes a real copy of everything uploaded to it, so a test on a
-machine with no GPU exercises the transfers, the bookkeeping and aliasing bugs exactly as
-a GPU run would.
+* the *controller* runs jobs in submission order (``submit``);
+* the *weight loader* uploads a stage's state ahead of its job (``load_weights``): while
+  job ``k`` computes, job ``k + D``'s weights are already on their way (double buffering);
+* the *activation loader* uploads the next microbatch's inputs while the current one
+  computes (``upload_async``).
+
+A copy in flight is a :class:`Transfer`; ``result()`` returns the device tensor once the
+consumer may use it.  On CUDA the loaders enqueue copies on their own streams and record
+an event, and ``result()`` makes the compute stream wait for that event: ordering by
+events, never by device-wide synchronisation.  A :class:`VirtualCPUDevice` makes a real
+copy of everything uploaded to it, so aliasing bugs show without a GPU, and it can be given
+a memory capacity that uploads must fit in.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -24,126 +33,343 @@ from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+#: Transfer categories counted by ``pipe.stats()``: uploads are weights, activations,
+#: labels and gradients of activations; downloads are activations, gradients, updated
+#: buffers and losses.
+CATEGORIES = ("weights", "activations", "labels", "grads", "buffers", "losses")
+
+
+class DeviceMemoryExceeded(Exception):
+    """An upload did not fit in a device's capacity (turned into OutOfMemoryError with the
+    stage named by the executor)."""
+
+    def __init__(self, device: str, needed: int, free: int, capacity: int) -> None:
+        super().__init__(f"{device}: needs {needed} more bytes, {free} of {capacity} free")
+        self.device = device
+        self.needed = needed
+        self.free = free
+        self.capacity = capacity
+
 
 @dataclass(frozen=True)
 class DeviceCounters:
-    """Transfer and memory counters of one device over one call."""
+    """Transfer and memory counters of one device over one call.
+
+    Attributes:
+        name: device name, e.g. ``cpu:1`` or ``cuda:0``.
+        bytes_uploaded, bytes_downloaded: all host-to-device / device-to-host bytes.
+        uploaded: bytes uploaded per category (``weights``, ``activations``, ``labels``,
+            ``grads``).
+        downloaded: bytes downloaded per category (``activations``, ``grads``, ...).
+        peak_resident_bytes: most bytes uploaded and not yet released at once.
+        peak_weight_bytes: the same for stage weights alone (at most two stages: the one
+            computing and the one prefetched).
+    """
 
     name: str
     bytes_uploaded: int
     bytes_downloaded: int
+    uploaded: Mapping[str, int]
+    downloaded: Mapping[str, int]
     peak_resident_bytes: int
+    peak_weight_bytes: int
 
 
-class Device:
-    """A worker device.  Subclasses implement the copies; accounting is shared."""
+class Transfer:
+    """A copy in flight.
 
-    kind = "abstract"
+    ``result()`` waits for it and returns the copied value; ``release()`` returns its bytes
+    to the device's budget once the consumer is done with them (a failed copy holds none).
+    """
 
-    def __init__(self, name: str, torch_device: torch.device) -> None:
-        self.name = name
-        self.torch_device = torch_device
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"roundpipe-{name}")
-        self._lock = threading.Lock()
-        self.reset_counters()
+    def __init__(self, future: Future, on_result: Callable[[Any], Any], device: Device,
+                 nbytes: int, category: str) -> None:
+        self._future = future
+        self._on_result = on_result
+        self.device = device
+        self.nbytes = nbytes
+        self.category = category
+        self._released = False
 
-    # --- accounting ----------------------------------------------------------------------
-    def reset_counters(self) -> None:
-        with self._lock:
-            self._up = 0
-            self._down = 0
-            self._resident = 0
-            self._peak = 0
+    def result(self) -> Any:
+        return self._on_result(self._future.result())
 
-    def counters(self) -> DeviceCounters:
-        with self._lock:
-            return DeviceCounters(self.name, self._up, self._down, self._peak)
+    def done(self) -> bool:
+        return self._future.done()
 
-    def _account_upload(self, nbytes: int) -> None:
-        with self._lock:
-            self._up += nbytes
-            self._resident += nbytes
-            self._peak = max(self._peak, self._resident)
-
-    def _account_download(self, nbytes: int) -> None:
-        with self._lock:
-            self._down += nbytes
-
-    def release(self, nbytes: int) -> None:
-        """Mark ``nbytes`` of uploaded data as freed."""
-        with self._lock:
-            self._resident -= nbytes
-
-    # --- work ----------------------------------------------------------------------------
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on this device's worker thread."""
-        return self._executor.submit(fn, *args)
-
-    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Copy a host tensor to the device (called on the worker thread)."""
-        raise NotImplementedError
-
-    def download(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Copy a device tensor to host memory (called on the worker thread)."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name})"
+    def release(self) -> None:
+        """Free the copy's bytes in the accounting (waits for a copy still in flight)."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            self._future.result()
+        except BaseException:  # noqa: BLE001 - a failed copy was never accounted
+            return
+        self.device.release(self.nbytes, self.category)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class Device:
+    """A worker device.  Subclasses implement the copies; threads and accounting are
+    shared."""
+
+    kind = "abstract"
+
+    def __init__(self, name: str, torch_device: torch.device,
+                 capacity_bytes: int | None = None) -> None:
+        self.name = name
+        self.torch_device = torch_device
+        self.capacity_bytes = capacity_bytes
+        prefix = f"roundpipe-{name}"
+        self._controller = ThreadPoolExecutor(1, thread_name_prefix=f"{prefix}-jobs")
+        self._weights = ThreadPoolExecutor(1, thread_name_prefix=f"{prefix}-weights")
+        self._activations = ThreadPoolExecutor(1, thread_name_prefix=f"{prefix}-acts")
+        self._lock = threading.Lock()
+        self._resident = 0
+        self._weight_resident = 0
+        self.reset_counters()
+
+    # --- accounting ----------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        with self._lock:
+            self._up = dict.fromkeys(CATEGORIES, 0)
+            self._down = dict.fromkeys(CATEGORIES, 0)
+            self._peak = self._resident
+            self._weight_peak = self._weight_resident
+
+    def counters(self) -> DeviceCounters:
+        with self._lock:
+            return DeviceCounters(self.name, sum(self._up.values()), sum(self._down.values()),
+                                  dict(self._up), dict(self._down), self._peak,
+                                  self._weight_peak)
+
+    def free_bytes(self) -> int | None:
+        """Bytes still available for uploads (None: unbounded)."""
+        if self.capacity_bytes is None:
+            return None
+        with self._lock:
+            return self.capacity_bytes - self._resident
+
+    def _account_upload(self, nbytes: int, category: str) -> None:
+        with self._lock:
+            if self.capacity_bytes is not None and \
+                    self._resident + nbytes > self.capacity_bytes:
+                raise DeviceMemoryExceeded(self.name, nbytes,
+                                           self.capacity_bytes - self._resident,
+                                           self.capacity_bytes)
+            self._up[category] += nbytes
+            self._resident += nbytes
+            self._peak = max(self._peak, self._resident)
+            if category == "weights":
+                self._weight_resident += nbytes
+                self._weight_peak = max(self._weight_peak, self._weight_resident)
+
+    def _account_download(self, nbytes: int, category: str) -> None:
+        with self._lock:
+            self._down[category] += nbytes
+
+    def release(self, nbytes: int, category: str = "activations") -> None:
+        """Mark ``nbytes`` of uploaded data as freed."""
+        with self._lock:
+            self._resident -= nbytes
+            if category == "weights":
+                self._weight_resident -= nbytes
+
+    # --- work ----------------------------------------------------------------------------
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on this device's controller thread."""
+        return self._controller.submit(fn, *args)
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor],
+                     before: Callable[[], None] | None = None) -> Transfer:
+        """Upload a stage's state on the weight loader; ``before`` runs first there (the
+        wait for the optimizer's fences).  ``result()`` gives ``{name: device tensor}``."""
+        def work() -> Any:
+            if before is not None:
+                before()
+            copies: dict[str, torch.Tensor] = {}
+            try:
+                for name, t in tensors.items():
+                    copies[name] = self._copy_in(t, "weights", self._weight_stream())
+            except BaseException:
+                self.release(sum(_nbytes(c) for c in copies.values()), "weights")
+                raise
+            return copies, self._record(self._weight_stream())
+        nbytes = sum(_nbytes(t) for t in tensors.values())
+        return Transfer(self._weights.submit(work), self._ready, self, nbytes, "weights")
+
+    def upload_async(self, tensor: torch.Tensor, category: str = "activations") -> Transfer:
+        """Upload one tensor on the activation loader."""
+        def work() -> Any:
+            copy = self._copy_in(tensor, category, self._activation_stream())
+            return copy, self._record(self._activation_stream())
+        return Transfer(self._activations.submit(work), self._ready, self, _nbytes(tensor),
+                        category)
+
+    def download(self, tensor: torch.Tensor, category: str = "activations",
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy a device tensor to host memory (into ``out`` when given) and wait."""
+        raise NotImplementedError
+
+    # --- hooks for subclasses ------------------------------------------------------------
+    def _copy_in(self, tensor: torch.Tensor, category: str, stream: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _weight_stream(self) -> Any:
+        return None
+
+    def _activation_stream(self) -> Any:
+        return None
+
+    def _record(self, stream: Any) -> Any:
+        return None
+
+    def _ready(self, value: Any) -> Any:
+        """Make the copy usable by the controller thread's compute; returns the copies."""
+        copies, _event = value
+        return copies
+
+    def close(self) -> None:
+        for pool in (self._controller, self._weights, self._activations):
+            pool.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
 class VirtualCPUDevice(Device):
-    """A CPU "device" with its own thread and its own copies of uploaded tensors."""
+    """A CPU "device" with its own threads and its own copies of uploaded tensors."""
 
     kind = "cpu"
 
-    def __init__(self, index: int) -> None:
-        super().__init__(f"cpu:{index}", torch.device("cpu"))
+    def __init__(self, index: int, capacity_bytes: int | None = None) -> None:
+        super().__init__(f"cpu:{index}", torch.device("cpu"), capacity_bytes)
 
-    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        copy = tensor.detach().clone(memory_format=torch.contiguous_format)
-        self._account_upload(_nbytes(copy))
-        return copy
+    def _copy_in(self, tensor: torch.Tensor, category: str, stream: Any) -> torch.Tensor:
+        nbytes = _nbytes(tensor)
+        self._account_upload(nbytes, category)
+        return tensor.detach().clone(memory_format=torch.contiguous_format)
 
-    def download(self, tensor: torch.Tensor) -> torch.Tensor:
-        copy = tensor.detach().clone(memory_format=torch.contiguous_format)
-        self._account_download(_nbytes(copy))
+    def download(self, tensor: torch.Tensor, category: str = "activations",
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        tensor = tensor.detach()
+        if out is not None and out.shape == tensor.shape and out.dtype == tensor.dtype:
+            out.copy_(tensor)
+            copy = out
+        else:
+            copy = tensor.clone(memory_format=torch.contiguous_format)
+        self._account_download(_nbytes(copy), category)
         return copy
 
 
 class CUDADevice(Device):  # pragma: no cover - needs a GPU
-    """A CUDA device (CUDA-only).  Streams and pinned buffers arrive with the streaming
-    runtime; this version copies synchronously on the worker thread."""
+    """A CUDA device (CUDA-only code is kept here).
+
+    Weight and activation uploads run on two streams of their own, from pinned host memory
+    when the source is pinned; compute runs on the controller thread's current stream and
+    waits on each copy's event.  Large weight copies are split so activation copies can
+    slot in between them.
+    """
 
     kind = "cuda"
+    #: weight copies larger than this are issued in chunks of this size
+    chunk_bytes = 64 * 2**20
 
     def __init__(self, index: int) -> None:
-        super().__init__(f"cuda:{index}", torch.device("cuda", index))
-        self.submit(torch.cuda.set_device, index).result()
+        super().__init__(f"cuda:{index}", torch.device("cuda", index), None)
+        self.index = index
+        self._streams = {
+            "weights": torch.cuda.Stream(self.torch_device),
+            "activations": torch.cuda.Stream(self.torch_device),
+            "download": torch.cuda.Stream(self.torch_device),
+        }
+        for pool in (self._controller, self._weights, self._activations):
+            pool.submit(torch.cuda.set_device, index).result()
 
-    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        copy = tensor.detach().to(self.torch_device, non_blocking=False, copy=True)
-        self._account_upload(_nbytes(copy))
-        return copy
+    def free_bytes(self) -> int | None:
+        free, _total = torch.cuda.mem_get_info(self.torch_device)
+        return int(free)
 
-    def download(self, tensor: torch.Tensor) -> torch.Tensor:
-        copy = tensor.detach().to("cpu", copy=True)
-        self._account_download(_nbytes(copy))
-        return copy
+    def _weight_stream(self) -> Any:
+        return self._streams["weights"]
+
+    def _activation_stream(self) -> Any:
+        return self._streams["activations"]
+
+    def _copy_in(self, tensor: torch.Tensor, category: str, stream: Any) -> torch.Tensor:
+        nbytes = _nbytes(tensor)
+        self._account_upload(nbytes, category)
+        src = tensor.detach()
+        with torch.cuda.stream(stream):
+            dst = torch.empty(src.shape, dtype=src.dtype, device=self.torch_device)
+            flat_src, flat_dst = src.reshape(-1), dst.view(-1)
+            step = max(1, self.chunk_bytes // max(1, src.element_size()))
+            if category == "weights" and flat_src.numel() > step and src.is_contiguous():
+                for start in range(0, flat_src.numel(), step):
+                    flat_dst[start:start + step].copy_(flat_src[start:start + step],
+                                                       non_blocking=True)
+            else:
+                dst.copy_(src, non_blocking=True)
+        return dst
+
+    def _record(self, stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _ready(self, value: Any) -> Any:
+        copies, event = value
+        current = torch.cuda.current_stream(self.torch_device)
+        current.wait_event(event)
+        tensors = copies.values() if isinstance(copies, dict) else [copies]
+        for t in tensors:
+            t.record_stream(current)  # the caching allocator must not reuse it early
+        return copies
+
+    def download(self, tensor: torch.Tensor, category: str = "activations",
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        tensor = tensor.detach()
+        stream = self._streams["download"]
+        stream.wait_stream(torch.cuda.current_stream(self.torch_device))
+        with torch.cuda.stream(stream):
+            if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
+                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            out.copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)
+        stream.synchronize()
+        self._account_download(_nbytes(out), category)
+        return out
 
 
-def resolve_devices(devices: Sequence[str | torch.device] | None) -> list[Device]:
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``64MiB`` -> 67108864; ints pass through; None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"cannot read {value!r} as a size; write e.g. 512MiB, 2GiB or 1000000")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def resolve_devices(devices: Sequence[str | torch.device] | None,
+                    device_memory: int | str | None = None) -> list[Device]:
     """Build the device pool.
 
     ``None`` means ``ROUNDPIPE_DEVICES`` (e.g. ``cpu,cpu,cpu,cpu``) if set, else every
     visible CUDA device (``CUDA_VISIBLE_DEVICES`` is honoured by CUDA itself), else one
-    virtual CPU device.
+    virtual CPU device.  ``device_memory`` (or ``ROUNDPIPE_VIRTUAL_MEMORY``) gives virtual
+    CPU devices a capacity.
     """
     if devices is None:
         env = os.environ.get("ROUNDPIPE_DEVICES", "").strip()
@@ -157,6 +383,8 @@ def resolve_devices(devices: Sequence[str | torch.device] | None) -> list[Device
         devices = [devices]
     if len(devices) == 0:
         raise ConfigError("devices is empty; pass at least one device, e.g. devices=['cpu']")
+    capacity = parse_bytes(device_memory if device_memory is not None
+                           else os.environ.get("ROUNDPIPE_VIRTUAL_MEMORY") or None)
     pool: list[Device] = []
     cpu_count = 0
     for spec in devices:
@@ -165,7 +393,7 @@ def resolve_devices(devices: Sequence[str | torch.device] | None) -> list[Device
         except (RuntimeError, TypeError) as e:
             raise ConfigError(f"{spec!r} is not a device: {e}") from None
         if dev.type == "cpu":
-            pool.append(VirtualCPUDevice(cpu_count))
+            pool.append(VirtualCPUDevice(cpu_count, capacity))
             cpu_count += 1
         elif dev.type == "cuda":  # pragma: no cover - GPU
             if not torch.cuda.is_available():

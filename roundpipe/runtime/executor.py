@@ -15,12 +15,19 @@ stage, is the unit of autograd:
 * parameter gradients accumulate per (parameter, unit) over microbatches on the device and
   are folded into the masters in descending unit order at commit.
 
+Transfers overlap compute through the device interface: the weights of job ``k + D`` (the
+next job on the same device) start uploading when job ``k`` starts (double buffering, at
+most two stages resident), the next microbatch's inputs upload while the current one
+computes, and when consecutive jobs share a device (one device) values are handed over on
+the device instead of making the host round trip.
+
 Nothing is committed to host state until every job succeeded; a failing call leaves
 weights, gradients and buffers as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -31,9 +38,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import LossError, RoundPipeError, StageError
+from ..errors import LossError, OutOfMemoryError, RoundPipeError, StageError
 from ..plan import StagePlan, UnitProgram
-from .devices import Device, DeviceCounters
+from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer
 from .host_state import HostState
 from .rng import RngKey
 
@@ -70,6 +77,7 @@ class RunStats:
     unit_fwd_s: dict[int, float]
     unit_bwd_s: dict[int, float]
     wall_s: float
+    started_at: float = 0.0  # time.perf_counter() when the call started
 
     @property
     def bytes_uploaded(self) -> int:
@@ -89,6 +97,9 @@ class Job:
     stop: int
     reads: tuple[str, ...] = ()     # host values it reads (bwd: the stash)
     publishes: frozenset[str] = frozenset()  # values it writes to the host store
+    handoff: frozenset[str] = frozenset()    # values the next job (same device) takes
+    slots: tuple[str, ...] = ()     # state slots it uploads
+    skip: bool = False              # a backward job through which no gradient flows
 
 
 @dataclass
@@ -127,6 +138,9 @@ class _Call:
     timeline: list[JobRecord] = field(default_factory=list)
     unit_fwd_s: dict[int, float] = field(default_factory=dict)
     unit_bwd_s: dict[int, float] = field(default_factory=dict)
+    autocast: tuple[str, torch.dtype] | None = None
+    weights: dict[int, Transfer] = field(default_factory=dict)  # loads, by job index
+    handoff: dict[tuple[int, str], Any] = field(default_factory=dict)  # (mb, value)
     t0: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -147,21 +161,26 @@ class Executor:
             for v in unit.outputs:
                 self._producer[v] = unit.index
         self._carries_cache: dict[Any, frozenset[str]] = {}
+        # Host buffers gradients are downloaded into, reused across calls (pinned on CUDA,
+        # where allocating pinned memory is slow).
+        self.grad_buffers: dict[tuple[int, str], torch.Tensor] = {}
 
     # --- public entry points -------------------------------------------------------------
     def train(self, inputs: list[dict[str, Any]], labels: list[Any], loss_fn: Callable,
               *, grain: str, want_outputs: bool, keys: list[RngKey | None],
-              fence_version: int) -> RunResult:
+              fence_version: int, autocast: tuple[str, torch.dtype] | None = None
+              ) -> RunResult:
         """Forward stages, fused tail (loss + backward), backward stages."""
         stages = self.plan.stages
         jobs = [Job(i, i, s.kind, *s.units) for i, s in enumerate(stages)]
         call = self._new_call("train", inputs, labels, loss_fn, grain, want_outputs, keys,
-                              fence_version)
+                              fence_version, autocast=autocast)
         self._wire(jobs, call, stash_for_backward=False)
         return self._run(jobs, call)
 
     def forward(self, inputs: list[dict[str, Any]], *, record: bool, grain: str,
-                keys: list[RngKey | None], fence_version: int) -> RunResult:
+                keys: list[RngKey | None], fence_version: int,
+                autocast: tuple[str, torch.dtype] | None = None) -> RunResult:
         """Forward stages and the tail as a forward stage; with ``record`` the values the
         backward needs are kept in ``RunResult.stash``."""
         n = len(self.units)
@@ -170,7 +189,7 @@ class Executor:
         jobs = [Job(i, s.index, "fwd", *s.units) for i, s in enumerate(fwd)]
         jobs.append(Job(len(jobs), tail.index, "fwd", tail.units[0], n))
         call = self._new_call("forward", inputs, [None] * len(inputs), None, grain, True, keys,
-                              fence_version, record=record)
+                              fence_version, record=record, autocast=autocast)
         self._wire(jobs, call, stash_for_backward=record)
         result = self._run(jobs, call)
         if record:
@@ -178,7 +197,8 @@ class Executor:
         return result
 
     def backward(self, stash: list[dict[str, Any]], output_grads: list[dict[str, Any]], *,
-                 grain: str, keys: list[RngKey | None], fence_version: int) -> RunResult:
+                 grain: str, keys: list[RngKey | None], fence_version: int,
+                 autocast: tuple[str, torch.dtype] | None = None) -> RunResult:
         """Backward of a recorded :meth:`forward`: the tail recomputes like a backward
         stage, then the backward stages run."""
         tail = self.plan.fused_stage
@@ -186,7 +206,8 @@ class Executor:
         jobs = [Job(0, tail.index, "bwd", *tail.units)]
         jobs += [Job(i + 1, s.index, "bwd", *s.units) for i, s in enumerate(bwd)]
         call = self._new_call("backward", [dict(s) for s in stash], [None] * len(stash), None,
-                              grain, False, keys, fence_version, record=True)
+                              grain, False, keys, fence_version, record=True,
+                              autocast=autocast)
         for mb, grads in enumerate(output_grads):
             call.grads[mb].update(grads)
         self._wire(jobs, call, stash_for_backward=False)
@@ -195,8 +216,8 @@ class Executor:
     # --- setup ---------------------------------------------------------------------------
     def _new_call(self, mode: str, inputs: list[dict[str, Any]], labels: list[Any],
                   loss_fn: Callable | None, grain: str, want_outputs: bool,
-                  keys: list[RngKey | None], fence_version: int, record: bool = True
-                  ) -> _Call:
+                  keys: list[RngKey | None], fence_version: int, record: bool = True,
+                  autocast: tuple[str, torch.dtype] | None = None) -> _Call:
         num_mb = len(inputs)
         grad_inputs = frozenset(
             name for name, v in inputs[0].items()
@@ -207,7 +228,7 @@ class Executor:
             store=[dict(x) for x in inputs], grads=[{} for _ in range(num_mb)],
             labels=labels, loss_fn=loss_fn, want_outputs=want_outputs,
             fence_version=fence_version, carries=carries, abort=threading.Event(),
-            done={}, losses=[None] * num_mb)
+            done={}, losses=[None] * num_mb, autocast=autocast)
 
     def _carries(self, grad_inputs: frozenset[str]) -> frozenset[str]:
         """Values through which gradients flow: those depending on a trainable parameter
@@ -254,20 +275,39 @@ class Executor:
                 extra = [v for v in self._output_values
                          if self._producer.get(v, -1) < job.start and v not in job.reads]
                 job.reads = job.reads + tuple(extra)
-        needed: set[str] = set()
-        for job in jobs:
-            needed.update(job.reads)
+        kept: set[str] = set()  # what must reach the host whoever reads it next
         if stash_for_backward:
             for per_stage in stash:
-                needed.update(per_stage)
+                kept.update(per_stage)
             tail = self.plan.fused_stage
             for unit in self.units[tail.units[0]:tail.units[1]]:
-                needed.update(unit.inputs)
+                kept.update(unit.inputs)
         if call.want_outputs:
-            needed.update(self._output_values)
-        for job in jobs:
-            produced = {v for u in self.units[job.start:job.stop] for v in u.outputs}
-            job.publishes = frozenset(produced & needed)
+            kept.update(self._output_values)
+        same_device = len(self.devices) == 1  # consecutive jobs share a device
+        for k, job in enumerate(jobs):
+            units = self.units[job.start:job.stop]
+            produced = {v for u in units for v in u.outputs}
+            slots: list[str] = []
+            for unit in units:
+                slots.extend(s for s in unit.state if s not in slots)
+            job.slots = tuple(slots)
+            job.skip = job.kind == "bwd" and not any(
+                v in call.carries for u in units for v in list(u.inputs) + list(u.state))
+            later: set[str] = set(kept)
+            for other in jobs[k + 1:]:
+                later.update(other.reads)
+            nxt = jobs[k + 1] if k + 1 < len(jobs) else None
+            if same_device and nxt is not None and nxt.kind != "bwd":
+                # What the next job reads goes to it on the device; the host copy is made
+                # only for other readers (later jobs, the backward stash, the outputs).
+                job.handoff = frozenset(produced & set(nxt.reads))
+                others = set(kept)
+                for other in jobs[k + 2:]:
+                    others.update(other.reads)
+                job.publishes = frozenset(produced & others)
+            else:
+                job.publishes = frozenset(produced & later)
 
     # --- running -------------------------------------------------------------------------
     def _run(self, jobs: list[Job], call: _Call) -> RunResult:
@@ -277,6 +317,10 @@ class Executor:
             for mb in range(call.num_mb):
                 call.done[(job.index, mb)] = Future()
         call.t0 = time.perf_counter()
+        call.jobs = jobs  # type: ignore[attr-defined]
+        # Each device's first job starts loading its weights at once.
+        for job in jobs[:len(self.devices)]:
+            self._start_load(call, job)
         futures = []
         for job in jobs:
             device = self.devices[job.index % len(self.devices)]
@@ -299,6 +343,11 @@ class Executor:
                 except BaseException:  # noqa: BLE001 - the interrupt is what matters
                     pass
             raise
+        finally:
+            for transfer in call.weights.values():  # prefetches nobody consumed
+                transfer.release()
+            call.weights.clear()
+            call.handoff.clear()
         if errors:
             job, device, e = min(errors, key=lambda x: x[0].index)
             raise self._describe_error(job, device, e) from e
@@ -308,6 +357,7 @@ class Executor:
             unit_fwd_s=dict(call.unit_fwd_s),
             unit_bwd_s=dict(call.unit_bwd_s),
             wall_s=time.perf_counter() - call.t0,
+            started_at=call.t0,
         )
         outputs = None
         if call.want_outputs:
@@ -325,6 +375,8 @@ class Executor:
         names = ", ".join(u.name for u in self.units[job.start:job.stop])
         where = (f"stage {job.stage} ({job.kind}, units {names}) on {device.name}"
                  + (f" at microbatch {mb}" if mb is not None else ""))
+        if isinstance(e, (DeviceMemoryExceeded, torch.OutOfMemoryError)):
+            return self._out_of_memory(job, device, where, e)
         if isinstance(e, RoundPipeError):
             e.args = (f"{where}: {e}",) + tuple(e.args[1:])
             return e
@@ -332,6 +384,40 @@ class Executor:
             return e
         return StageError(f"{where} raised {type(e).__name__}: {e}", stage=job.stage,
                           device=device.name, microbatch=mb)
+
+    def _out_of_memory(self, job: Job, device: Device, where: str, e: BaseException
+                       ) -> OutOfMemoryError:
+        mib = 2**20
+        if isinstance(e, DeviceMemoryExceeded):
+            have = (f"an upload of {e.needed / mib:.2f} MiB found {e.free / mib:.2f} MiB free "
+                    f"of {e.capacity / mib:.2f} MiB")
+        else:  # pragma: no cover - CUDA
+            free = device.free_bytes()
+            have = f"the device ran out of memory ({(free or 0) / mib:.2f} MiB free)"
+        stage = self.plan.stages[job.stage] if 0 <= job.stage < len(self.plan.stages) else None
+        need = (f"the stage needs about {stage.memory_bytes / mib:.2f} MiB per job and "
+                if stage is not None else "")
+        return OutOfMemoryError(
+            f"{where} does not fit: {need}{have}. Raise num_microbatch (smaller "
+            "microbatches, less activation memory); if that is not enough, use "
+            "recompute_grain='layer'; or give the devices more memory")
+
+    def _start_load(self, call: _Call, job: Job) -> None:
+        """Start uploading ``job``'s state on its device's weight loader."""
+        if job.skip or job.index in call.weights:
+            return
+        device = self.devices[job.index % len(self.devices)]
+        host = self.host
+        names = host.param_names(job.slots)
+
+        def before() -> None:  # on the loader thread: wait for the optimizer's publish
+            if not host.fences.wait(names, call.fence_version, call.abort):
+                raise _Aborted()
+            for name in names:
+                host.fences.record("upload", name, call.fence_version)
+
+        call.weights[job.index] = device.load_weights(
+            {slot: host.tensors[slot] for slot in job.slots}, before)
 
     def _wait_for(self, call: _Call, job: Job, mb: int) -> None:
         if job.index == 0:
@@ -350,6 +436,16 @@ class Executor:
             except BaseException:
                 raise _Aborted() from None
 
+    @staticmethod
+    def _ready(call: _Call, job: Job, mb: int) -> bool:
+        """Whether microbatch ``mb``'s inputs are all on the host already."""
+        if mb >= call.num_mb:
+            return False
+        if job.index == 0:
+            return True
+        fut = call.done[(job.index - 1, mb)]
+        return fut.done() and fut.exception() is None
+
     def _job_main(self, job: Job, device: Device, call: _Call) -> None:
         start = time.perf_counter() - call.t0
         runner = _JobRunner(self, job, device, call)
@@ -359,7 +455,7 @@ class Executor:
             for mb in range(call.num_mb):
                 self._wait_for(call, job, mb)
                 try:
-                    runner.run_microbatch(mb)
+                    runner.run_microbatch(mb, self._ready(call, job, mb + 1))
                 except _Aborted:
                     raise
                 except BaseException as e:
@@ -386,7 +482,7 @@ class Executor:
 
 
 class _JobRunner:
-    """The work of one job on one device (runs on the device's worker thread)."""
+    """The work of one job on one device (runs on the device's controller thread)."""
 
     def __init__(self, ex: Executor, job: Job, device: Device, call: _Call) -> None:
         self.ex = ex
@@ -394,41 +490,36 @@ class _JobRunner:
         self.device = device
         self.call = call
         self.units = ex.units[job.start:job.stop]
-        self.grad_mode = job.kind in ("fused", "bwd")
         self.state: dict[str, torch.Tensor] = {}
         self.param_leaves: dict[tuple[int, str], torch.Tensor] = {}
         self.produced_here = {v for u in self.units for v in u.outputs}
-        self.resident = 0
-        self.skip = False
+        self.weights: Transfer | None = None
+        self.held: dict[int, list[Transfer]] = {}      # uploads per microbatch
+        self.prefetched: dict[int, dict[str, Transfer]] = {}
+        self.skip = job.skip
 
     # --- state -------------------------------------------------------------------------
     def setup(self) -> None:
-        call, host = self.call, self.ex.host
-        if self.job.kind == "bwd" and not any(
-                s in call.carries for u in self.units for s in list(u.inputs) + list(u.state)):
-            self.skip = True  # nothing here carries a gradient (frozen layers)
-            return
-        slots: list[str] = []
-        for unit in self.units:
-            slots.extend(s for s in unit.state if s not in slots)
-        names = host.param_names(slots)
-        host.fences.wait(names, call.fence_version, call.abort)
-        if call.abort.is_set():
-            raise _Aborted()
-        for name in names:
-            host.fences.record("upload", name, call.fence_version)
-        for slot in slots:
-            dev = self.device.upload(host.tensors[slot])
-            self.resident += dev.numel() * dev.element_size()
-            self.state[slot] = dev
-        if self.grad_mode:
+        if self.skip:
+            return  # nothing here carries a gradient (frozen layers)
+        call, ex = self.call, self.ex
+        if self.job.index not in call.weights:
+            ex._start_load(call, self.job)
+        self.weights = call.weights.pop(self.job.index)
+        # Double buffering: the next job on this device loads while this one computes.
+        jobs = call.jobs  # type: ignore[attr-defined]
+        nxt = self.job.index + len(ex.devices)
+        if nxt < len(jobs):
+            ex._start_load(call, jobs[nxt])
+        self.state = dict(self.weights.result())
+        if self.job.kind in ("fused", "bwd"):
             users: dict[str, int] = {}
             for unit in self.units:
                 for s in unit.state:
                     users[s] = users.get(s, 0) + 1
             for unit in self.units:
                 for s in unit.state:
-                    if s in call.carries and host.trainable(s):
+                    if s in call.carries and ex.host.trainable(s):
                         base = self.state[s]
                         # A parameter read by several units gets one leaf per unit, so its
                         # gradient is accumulated per unit (device-count invariant).
@@ -440,49 +531,82 @@ class _JobRunner:
         return [self.param_leaves.get((unit.index, s), self.state[s]) for s in unit.state]
 
     def release(self) -> None:
-        if self.resident:
-            self.device.release(self.resident)
-            self.resident = 0
+        """Give back everything this job uploaded (also after a failure)."""
+        for transfers in self.prefetched.values():
+            for t in transfers.values():
+                t.release()
+        self.prefetched.clear()
+        for mb in list(self.held):
+            self._release_microbatch(mb)
+        if self.weights is not None:
+            self.weights.release()
+            self.weights = None
         self.state.clear()
         self.param_leaves.clear()
 
+    def _release_microbatch(self, mb: int) -> None:
+        for t in self.held.pop(mb, []):
+            t.release()
+
     def finish(self) -> None:
         """After the last microbatch: download gradients and updated buffers."""
-        call = self.call
+        call, pool = self.call, self.ex.grad_buffers
         staged_grads: list[tuple[str, int, torch.Tensor]] = []
         for (uid, slot), leaf in self.param_leaves.items():
             if leaf.grad is not None:
-                staged_grads.append((slot, uid, self.device.download(leaf.grad)))
+                host = self.device.download(leaf.grad, "grads", out=pool.get((uid, slot)))
+                pool[(uid, slot)] = host
+                staged_grads.append((slot, uid, host))
         staged_buffers: dict[str, torch.Tensor] = {}
         if self.job.kind in ("fwd", "fused") and call.mode != "backward":
             mutated = {s for u in self.units for s in u.mutated_state}
             mutated.update(slot for v, slot in self.ex._buffer_update.items()
                            if v in self.produced_here)
             for slot in mutated:
-                staged_buffers[slot] = self.device.download(self.state[slot])
+                staged_buffers[slot] = self.device.download(self.state[slot], "buffers")
         with call.lock:
             for slot, uid, g in staged_grads:
                 call.param_grads.setdefault(slot, []).append((uid, g))
             call.buffers.update(staged_buffers)
 
     # --- values --------------------------------------------------------------------------
+    def _upload(self, mb: int, value: torch.Tensor, category: str) -> torch.Tensor:
+        transfer = self.device.upload_async(value, category)
+        self.held.setdefault(mb, []).append(transfer)
+        return transfer.result()
+
+    def prefetch(self, mb: int) -> None:
+        """Start uploading microbatch ``mb``'s host inputs (its producers have finished)."""
+        if self.skip or mb >= self.call.num_mb or mb in self.prefetched:
+            return
+        store, handoff = self.call.store[mb], self.call.handoff
+        pending: dict[str, Transfer] = {}
+        for name in self.job.reads:
+            value = store.get(name)
+            if isinstance(value, torch.Tensor) and (mb, name) not in handoff:
+                pending[name] = self.device.upload_async(value, "activations")
+        self.prefetched[mb] = pending
+
     def _host_value(self, mb: int, name: str, cache: dict[str, Any]) -> Any:
         if name in cache:
             return cache[name]
-        try:
-            value = self.call.store[mb][name]
-        except KeyError:
-            raise RuntimeError(f"value {name!r} was not produced before it was needed; "
-                               "the plan is inconsistent") from None
-        if isinstance(value, torch.Tensor):
-            value = self._upload_activation(value)
+        handed = self.call.handoff.pop((mb, name), None)
+        if handed is not None:
+            value = handed
+        elif name in self.prefetched.get(mb, {}):
+            transfer = self.prefetched[mb].pop(name)
+            self.held.setdefault(mb, []).append(transfer)
+            value = transfer.result()
+        else:
+            try:
+                value = self.call.store[mb][name]
+            except KeyError:
+                raise RuntimeError(f"value {name!r} was not produced before it was needed; "
+                                   "the plan is inconsistent") from None
+            if isinstance(value, torch.Tensor):
+                value = self._upload(mb, value, "activations")
         cache[name] = value
         return value
-
-    def _upload_activation(self, value: torch.Tensor) -> torch.Tensor:
-        dev = self.device.upload(value)
-        self.resident += dev.numel() * dev.element_size()
-        return dev
 
     def _publish(self, mb: int, values: dict[str, Any]) -> None:
         store = self.call.store[mb]
@@ -490,6 +614,16 @@ class _JobRunner:
             value = values[name]
             store[name] = (self.device.download(value) if isinstance(value, torch.Tensor)
                            else value)
+        for name in self.job.handoff:
+            value = values[name]
+            self.call.handoff[(mb, name)] = (value.detach() if isinstance(value, torch.Tensor)
+                                             else value)
+
+    def _autocast(self) -> Any:
+        ac = self.call.autocast
+        if ac is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=ac[0], dtype=ac[1])
 
     def _call_unit(self, unit: UnitProgram, args: list[Any], mb: int) -> tuple[Any, ...]:
         extra: list[Any] = []
@@ -497,7 +631,8 @@ class _JobRunner:
             extra.append(self.device.torch_device)
         if unit.needs_rng:
             extra.append(self.call.keys[mb])
-        return unit.module(*args, *self._state_args(unit), *extra)
+        with self._autocast():
+            return unit.module(*args, *self._state_args(unit), *extra)
 
     def _apply_buffer_updates(self, unit: UnitProgram, values: dict[str, Any]) -> None:
         # Reassigned buffers: the next microbatch of this job reads the new value.
@@ -507,10 +642,12 @@ class _JobRunner:
                 self.state[slot] = values[v]
 
     # --- microbatches --------------------------------------------------------------------
-    def run_microbatch(self, mb: int) -> None:
+    def run_microbatch(self, mb: int, next_ready: bool) -> None:
         if self.skip:
             return
-        before = self.resident
+        self.prefetch(mb)
+        if next_ready:
+            self.prefetch(mb + 1)  # overlaps this microbatch's compute
         if self.job.kind == "fwd":
             self._forward(mb)
         elif self.job.kind == "fused":
@@ -519,8 +656,7 @@ class _JobRunner:
             self._backward_layers(mb)
         else:
             self._backward_stage(mb)
-        self.device.release(self.resident - before)
-        self.resident = before
+        self._release_microbatch(mb)
 
     def _forward(self, mb: int) -> None:
         values: dict[str, Any] = {}
@@ -559,8 +695,8 @@ class _JobRunner:
         values.update(zip(unit.outputs, outs))
 
     def _backward_unit(self, unit: UnitProgram, mb: int, values: dict[str, Any],
-                       acc: dict[str, torch.Tensor], leaves: dict[tuple[int, str], Any],
-                       uploaded_grads: dict[str, Any]) -> None:
+                       acc: dict[str, torch.Tensor], leaves: dict[tuple[int, str], Any]
+                       ) -> None:
         tensors, grads = [], []
         for v in unit.outputs:
             out = values.get(v)
@@ -568,7 +704,7 @@ class _JobRunner:
                 continue
             g = acc.pop(v, None)
             if g is None:
-                g = self._host_grad(mb, v, uploaded_grads)
+                g = self._host_grad(mb, v)
             if g is not None:
                 tensors.append(out)
                 grads.append(g)
@@ -577,21 +713,19 @@ class _JobRunner:
         for v in unit.inputs:
             leaf = leaves.pop((unit.index, v), None)
             if leaf is not None and leaf.grad is not None:
-                self._add_grad(mb, v, leaf.grad, acc, uploaded_grads)
+                self._add_grad(mb, v, leaf.grad, acc)
 
-    def _host_grad(self, mb: int, name: str, uploaded: dict[str, Any]) -> Any:
-        if name in uploaded:
-            return uploaded.pop(name)
+    def _host_grad(self, mb: int, name: str) -> Any:
         g = self.call.grads[mb].get(name)
-        return None if g is None else self._upload_activation(g)
+        return None if g is None else self._upload(mb, g, "grads")
 
-    def _add_grad(self, mb: int, name: str, g: torch.Tensor, acc: dict[str, torch.Tensor],
-                  uploaded: dict[str, Any]) -> None:
+    def _add_grad(self, mb: int, name: str, g: torch.Tensor, acc: dict[str, torch.Tensor]
+                  ) -> None:
         """Fold one reader's gradient into ``name``'s running sum (descending readers)."""
         if name in acc:
             acc[name] = acc[name] + g
             return
-        earlier = self._host_grad(mb, name, uploaded)
+        earlier = self._host_grad(mb, name)
         acc[name] = g if earlier is None else earlier + g
 
     def _flush_grads(self, mb: int, acc: dict[str, torch.Tensor]) -> None:
@@ -599,7 +733,7 @@ class _JobRunner:
         store = self.call.grads[mb]
         for name, g in acc.items():
             if name not in self.produced_here:
-                store[name] = self.device.download(g)
+                store[name] = self.device.download(g, "grads")
 
     def _backward_stage(self, mb: int) -> None:
         values: dict[str, Any] = {}
@@ -609,21 +743,19 @@ class _JobRunner:
         for unit in self.units:  # recompute the whole stage, keeping every unit's graph
             self._forward_unit_grad(unit, mb, values, uploaded, leaves)
         acc: dict[str, torch.Tensor] = {}
-        uploaded_grads: dict[str, Any] = {}
         for unit in reversed(self.units):
-            self._backward_unit(unit, mb, values, acc, leaves, uploaded_grads)
+            self._backward_unit(unit, mb, values, acc, leaves)
         self._flush_grads(mb, acc)
         self._time_range(self.call.unit_bwd_s, t)
 
     def _backward_layers(self, mb: int) -> None:
         acc: dict[str, torch.Tensor] = {}
-        uploaded_grads: dict[str, Any] = {}
         for unit in reversed(self.units):  # recompute one unit, run its backward, free it
             t = time.perf_counter()
             values: dict[str, Any] = {}
             leaves: dict[tuple[int, str], Any] = {}
             self._forward_unit_grad(unit, mb, values, {}, leaves, from_host_only=True)
-            self._backward_unit(unit, mb, values, acc, leaves, uploaded_grads)
+            self._backward_unit(unit, mb, values, acc, leaves)
             self._time(self.call.unit_bwd_s, unit.index, t)
         self._flush_grads(mb, acc)
 
@@ -652,22 +784,21 @@ class _JobRunner:
             flat.append(leaf)
         output = pytree.tree_unflatten(flat, self.ex.program.out_spec)
         label = pytree.tree_map(
-            lambda x: self._upload_activation(x) if isinstance(x, torch.Tensor) else x,
+            lambda x: self._upload(mb, x, "labels") if isinstance(x, torch.Tensor) else x,
             call.labels[mb])
-        with torch.enable_grad():
+        with torch.enable_grad(), self._autocast():
             loss = call.loss_fn(output, label)  # type: ignore[misc]
         _check_loss(loss, mb)
         acc: dict[str, torch.Tensor] = {}
-        uploaded_grads: dict[str, Any] = {}
         if loss.requires_grad:
             loss.backward()
             for name, leaf in out_leaves:
                 if leaf.grad is not None:
-                    self._add_grad(mb, name, leaf.grad, acc, uploaded_grads)
+                    self._add_grad(mb, name, leaf.grad, acc)
         for unit in reversed(self.units):
-            self._backward_unit(unit, mb, values, acc, leaves, uploaded_grads)
+            self._backward_unit(unit, mb, values, acc, leaves)
         self._flush_grads(mb, acc)
-        call.losses[mb] = self.device.download(loss.detach())
+        call.losses[mb] = self.device.download(loss.detach(), "losses")
         self._publish(mb, values)
         self._time_range(self.call.unit_bwd_s, t)
 

@@ -98,6 +98,7 @@ class ModelState:
         # Publish order: groups of parameter names, one per layer unit of the program in
         # use (set by HostState), so the first units' fences open first.
         self.publish_groups: list[tuple[str, ...]] = [tuple(self._params)]
+        self.registered: list[object] = []  # storages page-locked in place (pin "register")
 
     @property
     def has_masters(self) -> bool:
@@ -179,11 +180,12 @@ class ModelState:
             for name, contributions in grads.items():
                 master = self.master(name)
                 ordered = sorted(contributions, key=lambda c: -c[0])
-                total = ordered[0][1].to(master.dtype)
+                # The downloads are reused buffers: copy before keeping one as .grad.
+                total = ordered[0][1].to(master.dtype, copy=master.grad is None)
                 for _, g in ordered[1:]:
                     total = total + g.to(master.dtype)
                 if master.grad is None:
-                    master.grad = total  # a fresh download, owned by us
+                    master.grad = total
                 else:
                     master.grad += total
 

@@ -1,0 +1,154 @@
+"""Dynamic loss scaling for fp16 models that works with the asynchronous optimizer.
+
+Usage::
+
+    pipe = RoundPipe(model.half(), optim_dtype=torch.float32)
+    scaler = roundpipe.GradScaler(pipe)
+    opt = torch.optim.AdamW(pipe.optim_parameters())
+    for x, y in data:
+        loss = pipe.forward_backward(input_args=(x,), label=y,
+                                     loss_fn=lambda out, y: scaler.scale(loss_fn(out, y)))
+        pipe.step(lambda: scaler.step(opt))      # unscale, skip on inf/NaN, step, update
+
+Why it differs from ``torch.amp.GradScaler``: with ``step(is_async=True)`` the next call
+runs while the optimizer thread is still stepping, so a scale changed by that step must
+not reach a call already under way, and each step must unscale by the scale its gradients
+were made with.  The scale calls use therefore changes only at step boundaries: when
+``pipe.step`` enqueues a step, the scale the calls since the previous step used is queued
+with it, and calls from then on use the newest scale the optimizer thread has computed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .api import RoundPipe
+
+log = logging.getLogger(__name__)
+
+
+class GradScaler:
+    """Loss scaling with growth and back-off, for :class:`~roundpipe.RoundPipe`.
+
+    Args:
+        pipe: the pipe whose ``step`` calls this scaler's :meth:`step`.
+        init_scale: the first scale.
+        growth_factor: multiplies the scale after ``growth_interval`` steps without
+            inf/NaN gradients.
+        backoff_factor: multiplies the scale after a step with inf/NaN gradients (which
+            is skipped).
+        growth_interval: steps without inf/NaN before the scale grows.
+        enabled: ``False`` makes every method a pass-through.
+    """
+
+    def __init__(self, pipe: RoundPipe, init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True) -> None:
+        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1
+                and growth_interval >= 1):
+            raise ConfigError(
+                f"GradScaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "
+                f"and growth_interval >= 1; got {init_scale}, {growth_factor}, "
+                f"{backoff_factor}, {growth_interval}")
+        self.enabled = enabled
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self._visible = float(init_scale)   # what scale() multiplies by
+        self._latest = float(init_scale)    # the newest scale computed by a step
+        self._good_steps = 0
+        self._queued: collections.deque[float] = collections.deque()
+        self._lock = threading.Lock()
+        self.skipped_steps = 0
+        pipe._step_hooks.append(self._on_step_enqueued)
+        pipe._sync_hooks.append(self._on_synchronized)
+
+    # --- used in loss_fn (device threads) ------------------------------------------------
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current scale."""
+        if not self.enabled:
+            return loss
+        return loss * self._visible
+
+    def get_scale(self) -> float:
+        """The scale calls use now."""
+        return self._visible if self.enabled else 1.0
+
+    def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss a call returned, without the scale (call it before the next step)."""
+        return loss / self.get_scale()
+
+    # --- used in step_fn (optimizer thread) ----------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, zero_grad: bool = True) -> bool:
+        """Unscale the gradients, step unless one is inf/NaN, update the scale.
+
+        Returns True if the optimizer stepped.
+        """
+        if not self.enabled:
+            optimizer.step()
+            if zero_grad:
+                optimizer.zero_grad()
+            return True
+        with self._lock:
+            scale = self._queued.popleft() if self._queued else self._visible
+        inv = 1.0 / scale
+        finite = True
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    p.grad.mul_(inv)
+                    if finite and not bool(torch.isfinite(p.grad).all()):
+                        finite = False
+        if finite:
+            optimizer.step()
+        else:
+            self.skipped_steps += 1
+            log.info("roundpipe: GradScaler skipped a step (inf/NaN gradients at scale %g)",
+                     scale)
+        if zero_grad:
+            optimizer.zero_grad()
+        self._update(finite, scale)
+        return finite
+
+    def _update(self, finite: bool, scale: float) -> None:
+        with self._lock:
+            if not finite:
+                self._latest = scale * self.backoff_factor
+                self._good_steps = 0
+                return
+            self._good_steps += 1
+            self._latest = scale
+            if self._good_steps >= self.growth_interval:
+                self._latest = scale * self.growth_factor
+                self._good_steps = 0
+
+    # --- pipe hooks (caller thread) ------------------------------------------------------
+    def _on_step_enqueued(self) -> None:
+        with self._lock:
+            self._queued.append(self._visible)
+            self._visible = self._latest
+
+    def _on_synchronized(self) -> None:
+        with self._lock:
+            if not self._queued:  # every queued step has run: calls may use the newest
+                self._visible = self._latest
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self._latest, "good_steps": self._good_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._latest = self._visible = float(state["scale"])
+            self._good_steps = int(state["good_steps"])
+            self.skipped_steps = int(state.get("skipped_steps", 0))
