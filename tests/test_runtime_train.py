@@ -456,7 +456,7 @@ def test_replan_uses_measured_times_and_keeps_training_exact():
     after = pipe.replan()
     assert pipe.plan is after
     measured = [c for c in after.costs if c.measured_fwd_s is not None]
-    assert len(measured) == after.fused_stage.units[0]  # every unit before the tail
+    assert len(measured) == before.fused_stage.units[0]  # every unit before the old tail
     assert any(c.measured_bwd_s is not None for c in after.costs)
     # activation bytes are still known after replanning
     assert any(s.act_out_bytes > 0 for s in after.stages)
