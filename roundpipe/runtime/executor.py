@@ -65,6 +65,7 @@ class JobRecord:
     start_s: float
     end_s: float
     microbatches: int
+    weights_requested_s: float | None = None  # when the upload of its weights was issued
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,13 @@ class RunStats:
     unit_bwd_s: dict[int, float]
     wall_s: float
     started_at: float = 0.0  # time.perf_counter() when the call started
+    # Parameter-gradient bytes downloaded, per parameter name (summed over jobs); frozen
+    # parameters never appear (``devices[i].downloaded["grads"]`` also counts activations').
+    grad_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def grad_bytes_downloaded(self) -> int:
+        return sum(self.grad_bytes.values())
 
     @property
     def bytes_uploaded(self) -> int:
@@ -140,6 +148,7 @@ class _Call:
     unit_bwd_s: dict[int, float] = field(default_factory=dict)
     autocast: tuple[str, torch.dtype] | None = None
     weights: dict[int, Transfer] = field(default_factory=dict)  # loads, by job index
+    load_requested: dict[int, float] = field(default_factory=dict)
     handoff: dict[tuple[int, str], Any] = field(default_factory=dict)  # (mb, value)
     t0: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -358,6 +367,9 @@ class Executor:
             unit_bwd_s=dict(call.unit_bwd_s),
             wall_s=time.perf_counter() - call.t0,
             started_at=call.t0,
+            grad_bytes={self.host.specs[slot].fqn: sum(g.numel() * g.element_size()
+                                                       for _, g in grads)
+                        for slot, grads in call.param_grads.items()},
         )
         outputs = None
         if call.want_outputs:
@@ -416,6 +428,7 @@ class Executor:
             for name in names:
                 host.fences.record("upload", name, call.fence_version)
 
+        call.load_requested[job.index] = time.perf_counter() - call.t0
         call.weights[job.index] = device.load_weights(
             {slot: host.tensors[slot] for slot in job.slots}, before)
 
@@ -478,7 +491,8 @@ class Executor:
                 job=job.index, stage=job.stage, kind=job.kind,
                 units=", ".join(u.name for u in self.units[job.start:job.stop]),
                 device=device.name, start_s=start, end_s=time.perf_counter() - call.t0,
-                microbatches=call.num_mb))
+                microbatches=call.num_mb,
+                weights_requested_s=call.load_requested.get(job.index)))
 
 
 class _JobRunner:
