@@ -1,0 +1,277 @@
+"""GPU benchmarks (skipped without CUDA).  Run: ``python bench/gpu.py [--quick]``.
+
+Measures, in one run so ratios are comparable:
+
+1. the machine: pinned and pageable host-to-device copy bandwidth, bf16 matmul rate, and
+   the crossover tokens/microbatch above which a layer's weight upload hides under its
+   compute (matmul rate / PCIe bandwidth);
+2. a sweep of tokens per microbatch on a Llama-shaped stack: roundpipe tokens/s, GPU busy
+   fraction (compute-kernel time / wall time) and achieved upload GB/s;
+3. a ~1.3B-parameter Llama-shaped bf16 model under a 24 GiB memory cap
+   (``torch.cuda.set_per_process_memory_fraction``): eager training (expected to run out
+   of memory) against roundpipe;
+4. a model that fits: tokens/s of eager PyTorch against roundpipe.
+
+Results print as tables and are written to ``bench/results/gpu-<device>.json``; copy the
+figures into ``docs/benchmarks.md`` with the device name and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GiB = 2**30
+
+
+# --- a Llama-shaped model in plain PyTorch (no transformers needed on the GPU box) --------
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.norm2 = RMSNorm(d)
+        self.gate_up = nn.Linear(d, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, self.heads, C // self.heads).permute(
+            2, 0, 3, 1, 4).unbind(0)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(B, T, C))
+        g, u = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([LlamaBlock(d, heads, ffn) for _ in range(layers)])
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        inv = 1.0 / (10000 ** (torch.arange(0, d // heads, 2).float() / (d // heads)))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        t = torch.arange(T, device=idx.device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.embed(idx)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+# --- measurements -----------------------------------------------------------------------
+
+def median_time(fn: Callable[[], Any], repeat: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(pinned: bool, nbytes: int = 512 * 2**20) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / median_time(lambda: dst.copy_(src, non_blocking=pinned)) / 1e9
+
+
+def matmul_rate(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / median_time(lambda: a @ b) / 1e12
+
+
+def busy_fraction(run: Callable[[], Any]) -> float:
+    """Compute-kernel time over wall time, from the profiler (copies excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernel_us = 0.0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith(
+                ("Memcpy", "Memset")):
+            kernel_us += event.time_range.elapsed_us()
+    return kernel_us / 1e6 / wall / max(1, torch.cuda.device_count())
+
+
+def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: int,
+                   steps: int) -> dict[str, float]:
+    import roundpipe
+    from roundpipe import RoundPipeRunConfig
+    x = torch.randint(0, vocab, (batch, seq))
+    y = torch.randint(0, vocab, (batch, seq))
+    pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32,
+                             model_run_config=RoundPipeRunConfig(num_microbatch=num_mb))
+    opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-4)
+
+    def step() -> None:
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=lm_loss)
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+
+    seconds = median_time(step, repeat=steps)
+    stats = pipe.stats()
+    busy = busy_fraction(step)
+    pipe.synchronize()
+    result = {
+        "tokens_per_s": batch * seq / seconds,
+        "step_s": seconds,
+        "upload_GBps": stats.bytes_uploaded / stats.wall_s / 1e9,
+        "busy_fraction": busy,
+        "stages": len(pipe.plan.stages),
+    }
+    pipe.close()
+    return result
+
+
+def eager_step(model: nn.Module, batch: int, seq: int, vocab: int, steps: int
+               ) -> dict[str, float] | str:
+    model = model.cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randint(0, vocab, (batch, seq), device="cuda")
+    y = torch.randint(0, vocab, (batch, seq), device="cuda")
+
+    def step() -> None:
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        seconds = median_time(step, repeat=steps)
+    except torch.OutOfMemoryError as e:
+        return f"out of memory ({str(e).splitlines()[0][:80]})"
+    finally:
+        model.cpu()
+        torch.cuda.empty_cache()
+    return {"tokens_per_s": batch * seq / seconds, "step_s": seconds}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models, fewer steps")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gpu.py: skipped, no CUDA device is visible")
+        return 0
+    from tabulate import tabulate
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name(0)
+    total = torch.cuda.get_device_properties(0).total_memory
+    steps = 3 if args.quick else 5
+    results: dict[str, Any] = {"device": name, "count": torch.cuda.device_count(),
+                               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+
+    pinned, pageable, rate = copy_bandwidth(True), copy_bandwidth(False), matmul_rate()
+    crossover = rate * 1e12 / (pinned * 1e9)  # tokens: 2*P*T flops vs 2*P bytes (bf16)
+    results["machine"] = {"pinned_GBps": pinned, "pageable_GBps": pageable,
+                          "bf16_TFLOPs": rate, "crossover_tokens": crossover}
+    print(tabulate([[name, f"{pinned:.1f}", f"{pageable:.1f}", f"{rate:.0f}",
+                     f"{crossover:,.0f}"]],
+                   headers=["device", "pinned H2D GB/s", "pageable GB/s", "bf16 TFLOP/s",
+                            "crossover tokens/mb"]))
+
+    d, layers, heads, ffn, vocab = (1024, 8, 8, 2816, 32000) if args.quick else \
+        (2048, 16, 16, 5632, 32000)
+    sweep = []
+    for tokens in ([2048, 8192] if args.quick else [2048, 8192, 16384, 32768]):
+        seq = 2048
+        num_mb = torch.cuda.device_count() + 1
+        batch = max(num_mb, tokens * num_mb // seq)
+        model = Llama(vocab, d, layers, heads, ffn).to(torch.bfloat16)
+        r = roundpipe_step(model, batch, seq, vocab, num_mb, steps)
+        r["tokens_per_microbatch"] = batch * seq // num_mb
+        sweep.append(r)
+    results["sweep"] = sweep
+    print(tabulate([[r["tokens_per_microbatch"], f"{r['tokens_per_s']:,.0f}",
+                     f"{r['busy_fraction']:.2f}", f"{r['upload_GBps']:.1f}", r["stages"]]
+                    for r in sweep],
+                   headers=["tokens/mb", "tokens/s", "GPU busy", "upload GB/s", "stages"]))
+
+    # A ~1.3B model under a 24 GiB cap: eager should not fit, roundpipe should train.
+    cap = min(1.0, 24 * GiB / total)
+    torch.cuda.set_per_process_memory_fraction(cap, 0)
+    big = (2048, 24, 16, 5632, 32000) if not args.quick else (2048, 8, 16, 5632, 32000)
+    seq, batch = 2048, 8
+    model = Llama(vocab, big[0], big[1], big[2], big[3]).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    eager = eager_step(model, batch, seq, vocab, steps)
+    rp = roundpipe_step(model, batch, seq, vocab, torch.cuda.device_count() + 1, steps)
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    results["capped"] = {"params": params, "cap_GiB": cap * total / GiB, "eager": eager,
+                         "roundpipe": rp}
+    print(tabulate([[f"{params / 1e9:.2f} B", f"{cap * total / GiB:.0f} GiB",
+                     eager if isinstance(eager, str) else f"{eager['tokens_per_s']:,.0f} tok/s",
+                     f"{rp['tokens_per_s']:,.0f} tok/s", f"{rp['busy_fraction']:.2f}"]],
+                   headers=["model", "memory cap", "eager", "roundpipe", "GPU busy"]))
+
+    # A model that fits: roundpipe against eager.
+    small = Llama(vocab, 1024, 12, 8, 2816).to(torch.bfloat16)
+    e = eager_step(small, 8, 2048, vocab, steps)
+    r = roundpipe_step(small, 8, 2048, vocab, torch.cuda.device_count() + 1, steps)
+    results["fits"] = {"eager": e, "roundpipe": r}
+    if isinstance(e, dict):
+        print(tabulate([[f"{e['tokens_per_s']:,.0f}", f"{r['tokens_per_s']:,.0f}",
+                         f"{r['tokens_per_s'] / e['tokens_per_s']:.2f}"]],
+                       headers=["eager tok/s", "roundpipe tok/s", "ratio"]))
+
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"gpu-{name.replace(' ', '_')}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

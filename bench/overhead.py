@@ -1,0 +1,108 @@
+"""Runtime overhead on one CPU device against eager PyTorch.
+
+Run ``python bench/overhead.py [--layers 8] [--width 256] [--repeats 7]``.
+
+Compares, on the same GPT, the same microbatches and the same loss, the time of one
+training step (forward + backward over all microbatches, no optimizer):
+
+* eager PyTorch, no recompute;
+* eager PyTorch with ``torch.utils.checkpoint`` around every block (per-layer recompute,
+  what roundpipe's backward stages do);
+* ``RoundPipe.forward_backward`` on one virtual CPU device.
+
+Runs are interleaved (A, B, C, A, B, C, ...) so machine noise hits all three alike; the
+table reports medians and the spread (min-max) of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch.utils.checkpoint import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import roundpipe  # noqa: E402
+from roundpipe import RoundPipeRunConfig  # noqa: E402
+from train_gpt import GPT  # noqa: E402
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--num-microbatch", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = GPT(32, d=args.width, layers=args.layers, heads=4)
+    x = torch.randint(0, 32, (args.batch, args.seq))
+    y = torch.randint(0, 32, (args.batch, args.seq))
+    M = args.num_microbatch
+    eager = copy.deepcopy(model)
+    pipe = roundpipe.compile(copy.deepcopy(model), (x,), devices=["cpu"],
+                             model_run_config=RoundPipeRunConfig(num_microbatch=M))
+
+    def run_eager(ckpt: bool) -> None:
+        for xx, yy in zip(x.chunk(M), y.chunk(M)):
+            if ckpt:
+                h = eager.tok(xx) + eager.pos(torch.arange(xx.shape[1]))
+                for block in eager.blocks:
+                    h = checkpoint(block, h, use_reentrant=False)
+                loss = loss_fn(eager.head(eager.ln_f(h)), yy)
+            else:
+                loss = loss_fn(eager(xx), yy)
+            loss.backward()
+
+    def run_pipe() -> None:
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+
+    runs = {"eager": lambda: run_eager(False), "eager + checkpoint": lambda: run_eager(True),
+            "roundpipe": run_pipe}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():  # warm-up
+        fn()
+    for _ in range(args.repeats):
+        for name, fn in runs.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+
+    def ratio(a: str, b: str) -> str:
+        r = [x / y for x, y in zip(times[a], times[b])]
+        return f"{statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})"
+
+    params = sum(p.numel() for p in model.parameters())
+    print(f"GPT {args.layers} layers, width {args.width}, {params / 1e6:.1f} M params, "
+          f"batch {args.batch}x{args.seq}, {M} microbatches, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(pipe.plan.summary())
+    print(tabulate([[name, f"{statistics.median(t) * 1e3:.1f}",
+                     f"{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}"] for name, t in times.items()],
+                   headers=["run", "median ms", "spread ms"]))
+    print(tabulate([["roundpipe / eager + checkpoint", ratio("roundpipe", "eager + checkpoint"),
+                     "<= 1.10"],
+                    ["roundpipe / eager", ratio("roundpipe", "eager"), "floor ~1.33"]],
+                   headers=["ratio", "median (spread)", "goal"]))
+    pipe.close()
+
+
+if __name__ == "__main__":
+    main()
