@@ -42,17 +42,6 @@ def _load_factory(spec: str) -> Any:
         raise SystemExit(f"{module_name} has no attribute {attr!r}") from None
 
 
-def _parse_bytes(text: str | None) -> int | None:
-    if text is None:
-        return None
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    lowered = text.strip().lower()
-    for suffix, scale in units.items():
-        if lowered.endswith(suffix):
-            return int(float(lowered[: -len(suffix)]) * scale)
-    return int(lowered)
-
-
 def _plan(args: argparse.Namespace) -> int:
     import roundpipe
 
@@ -78,7 +67,7 @@ def _plan(args: argparse.Namespace) -> int:
     config = roundpipe.RoundPipeRunConfig(num_microbatch=args.num_microbatch,
                                           recompute_grain=args.recompute_grain)
     pipe = roundpipe.compile(model, example_args, example_kwargs, devices=devices,
-                             model_run_config=config, memory_cap=_parse_bytes(args.memory_cap),
+                             model_run_config=config, memory_cap=args.memory_cap,
                              num_stages=args.num_stages)
     if args.json:
         print(json.dumps(pipe.plan.to_dict(), indent=2))

@@ -270,8 +270,8 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
     """A CUDA device (CUDA-only code is kept here).
 
     Weight and activation uploads run on two streams of their own, from pinned host memory
-    when the source is pinned; compute runs on the controller thread's current stream and
-    waits on each copy's event.  Large weight copies are split so activation copies can
+    when the source is pinned; compute runs on a fourth stream, current on the controller
+    thread, and waits on each copy's event.  Large weight copies are split so activation copies can
     slot in between them.
     """
 
@@ -283,12 +283,16 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
         super().__init__(f"cuda:{index}", torch.device("cuda", index), None)
         self.index = index
         self._streams = {
+            "compute": torch.cuda.Stream(self.torch_device),
             "weights": torch.cuda.Stream(self.torch_device),
             "activations": torch.cuda.Stream(self.torch_device),
             "download": torch.cuda.Stream(self.torch_device),
         }
         for pool in (self._controller, self._weights, self._activations):
             pool.submit(torch.cuda.set_device, index).result()
+        # Compute runs on a stream of its own, not on the legacy default stream, which
+        # would serialise with the copy streams.
+        self._controller.submit(torch.cuda.set_stream, self._streams["compute"]).result()
 
     def free_bytes(self) -> int | None:
         free, _total = torch.cuda.mem_get_info(self.torch_device)
