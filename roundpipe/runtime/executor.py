@@ -66,6 +66,7 @@ class JobRecord:
     end_s: float
     microbatches: int
     weights_requested_s: float | None = None  # when the upload of its weights was issued
+    microbatch_s: tuple[tuple[float, float], ...] = ()  # (start, end) of each microbatch
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class _Call:
     weights: dict[int, Transfer] = field(default_factory=dict)  # loads, by job index
     load_requested: dict[int, float] = field(default_factory=dict)
     handoff: dict[tuple[int, str], Any] = field(default_factory=dict)  # (mb, value)
+    jobs: list[Job] = field(default_factory=list)
     t0: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -326,7 +328,7 @@ class Executor:
             for mb in range(call.num_mb):
                 call.done[(job.index, mb)] = Future()
         call.t0 = time.perf_counter()
-        call.jobs = jobs  # type: ignore[attr-defined]
+        call.jobs = jobs
         # Each device's first job starts loading its weights at once.
         for job in jobs[:len(self.devices)]:
             self._start_load(call, job)
@@ -462,37 +464,41 @@ class Executor:
     def _job_main(self, job: Job, device: Device, call: _Call) -> None:
         start = time.perf_counter() - call.t0
         runner = _JobRunner(self, job, device, call)
+        spans: list[tuple[float, float]] = []
         mb = 0
-        try:
-            runner.setup()
-            for mb in range(call.num_mb):
-                self._wait_for(call, job, mb)
-                try:
-                    runner.run_microbatch(mb, self._ready(call, job, mb + 1))
-                except _Aborted:
-                    raise
-                except BaseException as e:
-                    e._roundpipe_microbatch = mb  # type: ignore[attr-defined]
-                    raise
-                call.done[(job.index, mb)].set_result(None)
-            runner.finish()
-        except BaseException as e:
-            for rest in range(mb, call.num_mb):
-                fut = call.done[(job.index, rest)]
-                if not fut.done():
-                    fut.set_exception(_Aborted())
-            runner.release()
-            if isinstance(e, _Aborted):
+        # Named for torch.profiler, so stages show in PyTorch's own traces too.
+        with torch.profiler.record_function(f"roundpipe stage {job.stage} ({job.kind})"):
+            try:
+                runner.setup()
+                for mb in range(call.num_mb):
+                    self._wait_for(call, job, mb)
+                    t = time.perf_counter() - call.t0
+                    try:
+                        runner.run_microbatch(mb, self._ready(call, job, mb + 1))
+                    except _Aborted:
+                        raise
+                    except BaseException as e:
+                        e._roundpipe_microbatch = mb  # type: ignore[attr-defined]
+                        raise
+                    spans.append((t, time.perf_counter() - call.t0))
+                    call.done[(job.index, mb)].set_result(None)
+                runner.finish()
+            except BaseException:
+                for rest in range(mb, call.num_mb):
+                    fut = call.done[(job.index, rest)]
+                    if not fut.done():
+                        fut.set_exception(_Aborted())
                 raise
-            raise
-        runner.release()
+            finally:
+                runner.release()
         with call.lock:
             call.timeline.append(JobRecord(
                 job=job.index, stage=job.stage, kind=job.kind,
                 units=", ".join(u.name for u in self.units[job.start:job.stop]),
                 device=device.name, start_s=start, end_s=time.perf_counter() - call.t0,
                 microbatches=call.num_mb,
-                weights_requested_s=call.load_requested.get(job.index)))
+                weights_requested_s=call.load_requested.get(job.index),
+                microbatch_s=tuple(spans)))
 
 
 class _JobRunner:
@@ -521,10 +527,9 @@ class _JobRunner:
             ex._start_load(call, self.job)
         self.weights = call.weights.pop(self.job.index)
         # Double buffering: the next job on this device loads while this one computes.
-        jobs = call.jobs  # type: ignore[attr-defined]
         nxt = self.job.index + len(ex.devices)
-        if nxt < len(jobs):
-            ex._start_load(call, jobs[nxt])
+        if nxt < len(call.jobs):
+            ex._start_load(call, call.jobs[nxt])
         self.state = dict(self.weights.result())
         if self.job.kind in ("fused", "bwd"):
             users: dict[str, int] = {}
