@@ -13,6 +13,11 @@ from .errors import (ConfigError, InputError, LossError, ModelError, OutOfMemory
                      PartitionError, RoundPipeError, StageError, StepError, TraceError,
                      UnknownConfigFieldError)
 from .plan import StagePlan
+from . import backend
+
+# torch.compile(model, backend="roundpipe") also works from a source tree without the
+# installed entry point.
+backend.register()
 
 __version__ = "0.1.0"
 

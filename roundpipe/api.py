@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -16,6 +19,7 @@ from .compiler import Analysis, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .errors import ConfigError, InputError, ModelError, RoundPipeError
 from .passes.cost import DeviceModel, with_measured_times
+from .passes.leaves import resolve_leaf_modules
 from .plan import StagePlan
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
@@ -72,6 +76,16 @@ class RoundPipe:
             without CUDA devices.
         num_stages: exact number of stages (default: devices + 1, more if memory demands).
         seed: base seed of the keyed dropout streams (default ``torch.initial_seed()``).
+        leaf_modules: submodules (paths such as ``"model.layers.0.mlp"``, or classes) that
+            tracing keeps opaque: they run as plain Python, with their state still streamed.
+            Use it for code ``torch.export`` cannot trace; roundpipe also does this by
+            itself for the class of a module that export fails inside.
+
+    A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
+    False``: key/value caches serve generation and only cost memory in training.
+    Attributes roundpipe does not define are looked up on the model (``pipe.config``,
+    ``pipe.save_pretrained(...)``); the model's methods first wait for a pending
+    optimizer step, so they see the current weights.
     """
 
     def __init__(
@@ -87,6 +101,7 @@ class RoundPipe:
         num_stages: int | None = None,
         seed: int | None = None,
         device_model: DeviceModel | None = None,
+        leaf_modules: Sequence[str | type] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ModelError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
@@ -106,6 +121,9 @@ class RoundPipe:
                                             and optim_dtype.is_floating_point):
             raise ConfigError(f"optim_dtype must be a floating torch.dtype or None, got "
                               f"{optim_dtype!r}")
+        self.leaf_modules = resolve_leaf_modules(model, leaf_modules or ())
+        self._found_leaves: tuple[str, ...] = ()  # leaves the last trace had to add
+        _disable_cache(model)
         object.__setattr__(self, "model", model)
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         self.devices: list[Device] = resolve_devices(devices, device_memory)
@@ -178,7 +196,10 @@ class RoundPipe:
         with torch.autocast(kind, enabled=False):  # programs are traced without autocast
             analysis = analyze(self.model, example[0], example[1],
                                cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
-                               device_model=self.device_model)
+                               device_model=self.device_model,
+                               leaf_modules=self.leaf_modules + self._found_leaves)
+        # A recompile (new shapes, eval mode) goes straight to the leaves this one needed.
+        self._found_leaves = analysis.leaves
         plan = make_plan(analysis.program, analysis.units, analysis.report,
                          num_devices=len(self.devices), num_microbatch=cfg.num_microbatch,
                          device_model=self.device_model, memory_cap=cap,
@@ -418,6 +439,12 @@ class RoundPipe:
             raise RoundPipeError("no call has run yet, so there are no stats")
         return self._stats
 
+    def timeline(self, path: str | os.PathLike[str]) -> str:
+        """Write the last call's job timeline to ``path`` as Chrome/Perfetto trace JSON
+        (one track per device, a slice per job and per microbatch); returns the path."""
+        from .runtime.timeline import write_chrome_trace
+        return write_chrome_trace(self.stats(), path)
+
     def close(self) -> None:
         """Wait for pending work and stop the worker threads."""
         if self._closed:
@@ -439,9 +466,18 @@ class RoundPipe:
 
     def __getattr__(self, name: str) -> Any:
         # Attribute access falls through to the wrapped model (pipe.config, ...).
-        if name == "model" or name.startswith("__"):
+        if name == "model" or name.startswith("__") or "model" not in self.__dict__:
             raise AttributeError(name)
-        return getattr(self.__dict__["model"], name)
+        value = getattr(self.__dict__["model"], name)
+        if inspect.ismethod(value):
+            # pipe.save_pretrained(...) and the like must see the current weights, not
+            # those from before a pending asynchronous step.
+            @functools.wraps(value)
+            def synchronized(*args: Any, **kwargs: Any) -> Any:
+                self.synchronize()
+                return value(*args, **kwargs)
+            return synchronized
+        return value
 
     def __repr__(self) -> str:
         return (f"RoundPipe({type(self.model).__name__}, devices="
@@ -464,6 +500,20 @@ def compile(  # noqa: A001 - the documented name
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+def _disable_cache(model: torch.nn.Module) -> None:
+    """Turn off key/value caches (``config.use_cache``, as Hugging Face models have it):
+    they serve generation, and in training they only cost memory and add outputs.
+    Submodules may hold configs of their own (T5's decoder copies the model's)."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if getattr(c, "use_cache", False) is True}
+    for config in configs.values():
+        config.use_cache = False
+    if configs:
+        log.info("roundpipe: set config.use_cache = False in %d config(s) of %s for training "
+                 "(set it back to True to generate with a cache)", len(configs),
+                 type(model).__name__)
+
 
 def _sum_losses(losses: list[torch.Tensor | None]) -> torch.Tensor:
     values = [l for l in losses if l is not None]

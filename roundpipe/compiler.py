@@ -13,6 +13,7 @@ from .errors import ConfigError, PartitionError
 from .passes.codegen import build_stage_module, generate_unit_programs
 from .passes.cost import CostReport, DeviceModel, estimate_costs
 from .passes.layers import assign_layers, find_unit_roots
+from .passes.leaves import resolve_leaf_modules
 from .passes.partition import (PipelineCuts, max_pipeline_stages, partition_pipeline,
                                simulate_round_robin)
 from .passes.recompute import plan_recompute
@@ -33,6 +34,7 @@ class Analysis:
     units: tuple[LayerUnit, ...]
     report: CostReport
     notes: tuple[str, ...]
+    leaves: tuple[str, ...] = ()  # modules the trace kept opaque (asked for or found)
 
 
 def analyze(
@@ -42,6 +44,7 @@ def analyze(
     *,
     cost_scale: float = 1.0,
     device_model: DeviceModel | None = None,
+    leaf_modules: Sequence[str | type] = (),
 ) -> Analysis:
     """Trace ``model`` and estimate its per-unit costs.
 
@@ -50,18 +53,22 @@ def analyze(
         cost_scale: factor from the example to one microbatch (``1 / num_microbatch``
             when the example is a whole batch).
         device_model: throughput figures for the cost model (default: the CPU's).
+        leaf_modules: modules (paths or classes) tracing keeps opaque.
     """
     device_model = device_model or DeviceModel.for_device("cpu")
     # 1. trace: one flat graph, state as placeholders, tied weights deduplicated.
-    roots = find_unit_roots(model)
-    traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots)
+    roots = find_unit_roots(model, resolve_leaf_modules(model, leaf_modules))
+    traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots,
+                   opaque_modules=leaf_modules)
+    if traced.leaves:  # leaves found while tracing hide what is inside them
+        roots = find_unit_roots(model, traced.leaves)
     # 2. layers: group nodes into layer units (repeated blocks, prologue, epilogue).
     layers = assign_layers(traced, roots)
     # 6a. codegen: one program per unit; cuts only ever fall between units.
     program = generate_unit_programs(traced, layers)
     # 3. cost: FLOPs and bytes per unit on fake tensors, liveness across every cut.
     report = estimate_costs(traced, layers, program, device_model, scale=cost_scale)
-    return Analysis(program, layers.units, report, traced.notes)
+    return Analysis(program, layers.units, report, traced.notes, traced.leaves)
 
 
 def compile_model(
@@ -76,6 +83,7 @@ def compile_model(
     memory_cap: int | None = None,
     num_stages: int | None = None,
     recompute_grain: str = "stage",
+    leaf_modules: Sequence[str | type] = (),
 ) -> StagePlan:
     """Trace ``model`` and cut it into a stage plan.
 
@@ -92,6 +100,7 @@ def compile_model(
         num_stages: exact number of stages (default: ``num_devices + 1``, more when the
             memory cap demands it).
         recompute_grain: default grain shown in the plan (each call may override it).
+        leaf_modules: modules (paths or classes) tracing keeps opaque.
     """
     if num_microbatch is None:
         num_microbatch = num_devices + 1
@@ -104,7 +113,7 @@ def compile_model(
     device_model = device_model or DeviceModel.for_device("cpu")
     analysis = analyze(model, example_args, example_kwargs,
                        cost_scale=1.0 if example_is_microbatch else 1.0 / num_microbatch,
-                       device_model=device_model)
+                       device_model=device_model, leaf_modules=leaf_modules)
     plan = make_plan(analysis.program, analysis.units, analysis.report,
                      num_devices=num_devices, num_microbatch=num_microbatch,
                      device_model=device_model, memory_cap=memory_cap,

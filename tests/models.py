@@ -257,6 +257,110 @@ def untraceable():
     return Untraceable(), (torch.randn(3, 4),), {}
 
 
+# --- export fails inside a block, torch.fx at the top: leaf modules -----------------------
+
+class Router(nn.Module):
+    """Sends each row to one of two experts: a Python loop over data-dependent indices."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, 2)
+        self.experts = nn.Parameter(torch.randn(2, d, d) / d ** 0.5)  # stacked, as in HF
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in choice.unique():  # data-dependent: export cannot trace this loop
+            rows = (choice == e).nonzero().squeeze(-1)
+            out = out.index_add(0, rows, x[rows] @ self.experts[e])
+        return x + out
+
+
+class Routed(nn.Module):
+    """Export fails inside ``Router``; torch.fx fails on the shape test in ``forward``."""
+
+    def __init__(self, d: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([Router(d) for _ in range(layers)])
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):
+        if x.shape[-1] > 4:  # a shape test: export specialises it, torch.fx cannot
+            x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def routed(batch: int = 6):
+    torch.manual_seed(0)
+    return Routed(), (torch.randn(batch, 8),), {}
+
+
+class ListMoE(nn.Module):
+    """Top-1 mixture of experts kept in an ``nn.ModuleList`` (the experts hold most of the
+    layer's parameters), looping over the experts that received rows."""
+
+    def __init__(self, d: int, experts: int = 3) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, experts)
+        self.experts = nn.ModuleList([nn.Linear(d, d) for _ in range(experts)])
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (choice == i).nonzero().squeeze(-1)
+            if rows.numel() == 0:  # data-dependent
+                continue
+            out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.moe = ListMoE(d)
+
+    def forward(self, x):
+        return x + self.moe(self.norm(x))
+
+
+class MoENet(nn.Module):
+    def __init__(self, d: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MoELayer(d) for _ in range(layers)])
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x, *, scale: float = 1.0):  # keyword-only: no torch.fx fallback
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x * scale)
+
+
+def moenet(batch: int = 6):
+    torch.manual_seed(0)
+    return MoENet(), (torch.randn(batch, 8),), {}
+
+
+class VarArgs(nn.Module):
+    """``forward(*args, **kwargs)``, the signature of wrappers such as PEFT's PeftModel."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def varargs(batch: int = 4, seq: int = 8):
+    model, args, kwargs = gpt(layers=2, batch=batch, seq=seq)
+    return VarArgs(model), args, kwargs
+
+
 class NoParams(nn.Module):
     def forward(self, x):
         return x * 2

@@ -30,7 +30,7 @@ def split(x: Any, num: int, batch: int) -> list[Any]:
 def eager_forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict, label: Any,
                            loss_fn: Callable, num_mb: int) -> torch.Tensor:
     """Sum of per-microbatch losses; gradients accumulate in the parameters' .grad."""
-    batch = next(a for a in args if isinstance(a, torch.Tensor)).shape[0]
+    batch = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)).shape[0]
     total = None
     for a, k, y in zip(split(args, num_mb, batch), split(kwargs, num_mb, batch),
                        split(label, num_mb, batch)):

@@ -3,11 +3,15 @@ contiguous runs of the graph that only read earlier units' values."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 import torch.nn as nn
 
 import models
 from compiled import GroupedNet, compiled
+from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.passes.layers import find_unit_roots
 
 ALL_MODELS = list(models.ALL) + ["const_net", "drop_net", "grouped_net"]
@@ -162,3 +166,46 @@ def test_unit_programs_read_only_earlier_values(name):
         available |= set(unit.outputs)
     for ref in program.outputs:
         assert ref.value is None or ref.value in available
+
+
+class _Opaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > -1e9:  # data-dependent: export fails, torch.fx keeps the block opaque
+            return self.fc(x)
+        return -self.fc(x)
+
+
+class _WritesAcrossUnits(nn.Module):
+    """h is made by blocks.0 and written in place (torch-level ``add_``) after blocks.1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Opaque() for _ in range(3)])
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        h.add_(self.blocks[1](x))
+        return self.blocks[2](h)
+
+
+def test_torch_level_inplace_write_stays_with_its_definition():
+    """The torch.fx fallback's graphs are torch-level (``call_method add_``, no schema): the
+    write joins the unit that made ``h``, and training equals eager on 3 devices."""
+    torch.manual_seed(0)
+    model, x = _WritesAcrossUnits(), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 3,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    loss = pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum())
+    assert pipe.plan.program.trace_method == "fx"
+    assert [u.name for u in pipe.plan.units] == ["blocks.0", "blocks.2"]
+    ref = eager(x).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    for p, q in zip(pipe.optim_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    pipe.close()

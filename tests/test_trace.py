@@ -123,7 +123,7 @@ def test_untraceable_model_names_the_line_and_what_was_tried():
     assert "if y.sum() > 0" in message
     for method in ("export:", "export-static:", "fx:"):
         assert f"  - {method}" in message
-    assert "Make the failing line traceable" in message  # the way out
+    assert "make the failing line traceable" in message  # the way out
 
 
 def test_model_without_parameters_is_rejected():

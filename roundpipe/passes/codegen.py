@@ -35,6 +35,8 @@ from .trace import MUTATES, TracedGraph
 
 _DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
 _FUNCTIONAL_DROPOUT = {torch.nn.functional.dropout}
+# Set on torch-level random calls (Dynamo graphs, passes/dynamo.py): run them seeded.
+RANDOM = "roundpipe.random"
 
 
 def generate_unit_programs(traced: TracedGraph, layers: LayerAssignment,
@@ -73,6 +75,8 @@ def _is_random(node: torch.fx.Node) -> bool:
     """A seeded random op that really draws: ``scaled_dot_product_attention`` with
     ``dropout_p=0`` and ``dropout`` with ``p=0`` (the common cases) are tagged random but
     are not."""
+    if node.meta.get(RANDOM):
+        return True
     if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
     schema = node.target._schema  # type: ignore[union-attr]
@@ -175,7 +179,10 @@ def _random_call(g: torch.fx.Graph, node: torch.fx.Node, args: tuple, kwargs: di
         p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
         train = args[2] if len(args) > 2 else kwargs.get("training", True)
         return g.call_function(rng.dropout, (x, p, train, rng_ph, unit, ordinal))
-    if target is call_module_functional:
+    if node.meta.get(RANDOM):  # torch-level: the callable by its qualified name
+        op = "py:" + (torch.fx.node._get_qualified_name(target) if node.op == "call_function"
+                      else f"torch.Tensor.{target}")
+    elif target is call_module_functional:
         op = "modcall"
     else:
         op = f"{target.namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"

@@ -106,7 +106,8 @@ def _is_view(node: torch.fx.Node) -> bool:
 
 
 # Ops that read only the rows they gather from a state tensor, not all of it.
-_GATHERS = {torch.ops.aten.embedding.default}
+_GATHERS = {torch.ops.aten.embedding.default,
+            torch.nn.functional.embedding}  # the torch-level call of Dynamo graphs
 
 
 class _CostInterpreter(torch.fx.Interpreter):

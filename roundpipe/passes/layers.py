@@ -31,6 +31,10 @@ from ..plan import LayerUnit
 from .trace import MODULE_PATH, TracedGraph, alias_root
 
 UNIT = "roundpipe.unit"
+# Values a node writes in place where no schema says so (torch-level IR: Dynamo graphs,
+# set by passes/dynamo.py; the torch.fx fallback's graphs are read directly), already
+# followed back to the written base value.
+WRITES = "roundpipe.writes"
 
 # A child of a repeated container is replaced by its own inner units when those cover at
 # least this share of its parameters (nested repeats such as stages[i].blocks[j]).
@@ -45,11 +49,17 @@ class LayerAssignment:
     node_unit: dict[str, int]
 
 
-def find_unit_roots(model: torch.nn.Module) -> tuple[str, ...]:
-    """Module paths of the repeated blocks of ``model`` (children of repeated containers)."""
+def find_unit_roots(model: torch.nn.Module, opaque: Iterable[str] = ()) -> tuple[str, ...]:
+    """Module paths of the repeated blocks of ``model`` (children of repeated containers).
+
+    Modules in ``opaque`` (leaf modules, run as one call) are not looked into: experts in a
+    ``ModuleList`` inside an opaque mixture-of-experts block cannot be units, so the layer
+    holding the block is one.
+    """
+    hidden = frozenset(opaque)
     if _is_repeated(model):
-        return tuple(_expand_children(model, ""))
-    return tuple(_roots_in(model, ""))
+        return tuple(_expand_children(model, "", hidden))
+    return tuple(_roots_in(model, "", hidden))
 
 
 def _join(prefix: str, name: str) -> str:
@@ -68,13 +78,19 @@ def _is_repeated(module: torch.nn.Module) -> bool:
             and all(_num_params(c) > 0 for c in children))
 
 
-def _expand_children(container: torch.nn.Module, prefix: str) -> list[str]:
+def _expand_children(container: torch.nn.Module, prefix: str,
+                     hidden: frozenset[str]) -> list[str]:
     roots: list[str] = []
     for name, child in container.named_children():
         path = _join(prefix, name)
         # A child that is itself a repeated container (ModuleList of ModuleLists) is
         # expanded like one: its children are units too, at any depth.
-        inner = _expand_children(child, path) if _is_repeated(child) else _roots_in(child, path)
+        if path in hidden:
+            inner = []
+        elif _is_repeated(child):
+            inner = _expand_children(child, path, hidden)
+        else:
+            inner = _roots_in(child, path, hidden)
         covered = sum(_num_params(child.get_submodule(r[len(path) + 1:])) for r in inner)
         total = _num_params(child)
         if inner and total and covered >= _NESTED_COVERAGE * total:
@@ -84,14 +100,16 @@ def _expand_children(container: torch.nn.Module, prefix: str) -> list[str]:
     return roots
 
 
-def _roots_in(module: torch.nn.Module, prefix: str) -> list[str]:
+def _roots_in(module: torch.nn.Module, prefix: str, hidden: frozenset[str]) -> list[str]:
     roots: list[str] = []
     for name, child in module.named_children():
         path = _join(prefix, name)
+        if path in hidden:
+            continue
         if _is_repeated(child):
-            roots.extend(_expand_children(child, path))
+            roots.extend(_expand_children(child, path, hidden))
         else:
-            roots.extend(_roots_in(child, path))
+            roots.extend(_roots_in(child, path, hidden))
     return roots
 
 
@@ -201,6 +219,16 @@ def _merge_cross_unit_writes(
     reach = list(range(len(runs)))  # reach[i]: the first run that run i must merge with
     for i, (_, run_nodes) in enumerate(runs):
         for node in run_nodes:
+            bases = node.meta.get(WRITES)
+            if bases is None and (node.op == "call_method" or (
+                    node.op == "call_function" and not hasattr(node.target, "_schema"))):
+                # torch-level IR without the meta (the torch.fx fallback): x.add_(y), ...
+                # (imported here: passes/dynamo.py imports this module)
+                from .dynamo import alias_root as torch_alias_root, written_values
+                bases = [torch_alias_root(w) for w in written_values(node)]
+            for base in bases or ():
+                if base in run_of and run_of[base] < i:
+                    reach[i] = min(reach[i], run_of[base])
             schema = getattr(node.target, "_schema", None)
             if node.op != "call_function" or schema is None:
                 continue

@@ -24,11 +24,15 @@ writes to state, ``meta["roundpipe.mutates"]``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import io
 import logging
 import operator
 import os
+import re
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -42,6 +46,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
 from ..runtime.modcall import call_module_functional
+from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
+                     replaced_forward, resolve_leaf_modules, same_type_modules)
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +72,9 @@ class TracedGraph:
         state_tensors: the tensor behind every state slot (the model's own parameters and
             buffers, not copies).
         example_inputs: flat example inputs, aligned with ``inputs.names``.
-        method: ``"export"``, ``"export-static"`` or ``"fx"``.
+        method: ``"export"``, ``"export-static"``, ``"export-leaves"`` or ``"fx"``.
         notes: what was tried and why a fallback was used.
+        leaves: paths of the modules export kept opaque (``"export-leaves"``).
     """
 
     graph_module: torch.fx.GraphModule
@@ -81,6 +88,7 @@ class TracedGraph:
     example_inputs: tuple[Any, ...]
     method: str
     notes: tuple[str, ...] = ()
+    leaves: tuple[str, ...] = ()
 
 
 def trace(
@@ -89,6 +97,7 @@ def trace(
     example_kwargs: dict[str, Any] | None = None,
     *,
     leaf_modules: Iterable[str] = (),
+    opaque_modules: Iterable[str | type] = (),
     dynamic: bool = True,
 ) -> TracedGraph:
     """Trace ``model`` on the example inputs.
@@ -98,6 +107,10 @@ def trace(
         example_args, example_kwargs: one example call.
         leaf_modules: module paths kept opaque by the ``torch.fx`` fallback (the layer
             units found by :func:`roundpipe.passes.layers.find_unit_roots`).
+        opaque_modules: modules (paths or classes) that ``torch.export`` keeps opaque
+            (the user's ``leaf_modules``; see :mod:`roundpipe.passes.leaves`).  When export
+            fails inside a submodule, every module of that class is made opaque and export
+            is tried again, without being asked.
         dynamic: try dynamic shapes first.
 
     Raises:
@@ -112,48 +125,104 @@ def trace(
             "roundpipe streams weights to devices, use the model directly instead"
         )
     attempts: list[tuple[str, BaseException]] = []
+    user_leaves = resolve_leaf_modules(model, opaque_modules)
     tries: list[tuple[str, Callable[[], TracedGraph]]] = []
-    if dynamic:
-        tries.append(("export", lambda: _trace_export(model, example_args, example_kwargs, True)))
-    tries.append(("export-static",
-                  lambda: _trace_export(model, example_args, example_kwargs, False)))
+    if user_leaves:
+        tries.append((f"{LEAVES_METHOD} ({_describe_leaves(model, user_leaves)} opaque)",
+                      lambda: _trace_export(model, example_args, example_kwargs, False,
+                                            user_leaves)))
+    else:
+        if dynamic:
+            tries.append(("export", lambda: _trace_export(model, example_args, example_kwargs,
+                                                          True)))
+        tries.append(("export-static",
+                      lambda: _trace_export(model, example_args, example_kwargs, False)))
     tries.append(("fx", lambda: _trace_fx(model, example_args, example_kwargs,
                                           frozenset(leaf_modules))))
     for method, attempt in tries:
-        try:
-            traced = attempt()
-        except (ModelError, TraceError):
-            raise
-        except Exception as e:  # noqa: BLE001 - every tracer failure is reported below
-            log.info("roundpipe: %s tracing of %s failed: %s", method, type(model).__name__,
-                     _first_line(e))
-            attempts.append((method, e))
-            continue
-        notes = tuple(f"{m} failed: {_describe(e)}" for m, e in attempts)
-        if notes:
-            log.info("roundpipe: traced %s with %s after: %s", type(model).__name__, method,
-                     "; ".join(notes))
-        return dataclasses.replace(traced, notes=notes)
-    raise TraceError(_trace_failure_message(model, attempts)) from attempts[-1][1]
+        traced = _attempt(model, method, attempt, attempts)
+        if traced is not None:
+            return traced
+    # Export failed inside a submodule: keep every module of that class opaque (same code,
+    # same failure) and export again, until export succeeds or blames no new module.
+    leaves = user_leaves
+    export_error = next(e for m, e in reversed(attempts) if m != "fx")
+    for _ in range(_MAX_LEAF_ROUNDS):
+        blamed = failing_module(model, export_error)
+        if blamed is None:
+            break
+        wider = resolve_leaf_modules(model, leaves + same_type_modules(model, blamed))
+        if wider == leaves:
+            break
+        leaves = wider
+        traced = _attempt(model, f"{LEAVES_METHOD} ({_describe_leaves(model, leaves)} opaque)",
+                          lambda: _trace_export(model, example_args, example_kwargs, False,
+                                                leaves), attempts)
+        if traced is not None:
+            return traced
+        export_error = attempts[-1][1]
+    message = _trace_failure_message(model, attempts, failing_module(model, export_error),
+                                     leaves)
+    raise TraceError(message) from attempts[-1][1]
+
+
+# Rounds of automatic leaf modules (each one a real run and an export).
+_MAX_LEAF_ROUNDS = 4
+LEAVES_METHOD = "export-leaves"
+
+
+def _attempt(model: torch.nn.Module, method: str, attempt: Callable[[], TracedGraph],
+             attempts: list[tuple[str, BaseException]]) -> TracedGraph | None:
+    """Run one tracer; on failure record it in ``attempts`` and return None."""
+    try:
+        traced = attempt()
+    except (ModelError, TraceError):
+        raise
+    except Exception as e:  # noqa: BLE001 - every tracer failure is reported at the end
+        log.info("roundpipe: %s tracing of %s failed: %s", method, type(model).__name__,
+                 _first_line(e))
+        attempts.append((method, e))
+        return None
+    notes = tuple(f"{m} failed: {_describe(e)}" for m, e in attempts)
+    if traced.leaves:
+        notes += ("kept opaque (run eagerly, static shapes): "
+                  + _describe_leaves(model, traced.leaves),)
+    if notes:
+        log.info("roundpipe: traced %s with %s after: %s", type(model).__name__, method,
+                 "; ".join(notes))
+    return dataclasses.replace(traced, notes=notes)
+
+
+def _describe_leaves(model: torch.nn.Module, paths: tuple[str, ...]) -> str:
+    by_type: dict[str, list[str]] = {}
+    for p in paths:
+        by_type.setdefault(type(model.get_submodule(p)).__name__, []).append(p)
+    return "; ".join(f"{name} at {ps[0]}" + (f" and {len(ps) - 1} more" if len(ps) > 1
+                                              else "") for name, ps in by_type.items())
 
 
 # --- torch.export ----------------------------------------------------------------------
 
 def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  dynamic: bool) -> TracedGraph:
-    dynamic_shapes = None
-    if dynamic:
-        shapes = ShapesCollection()
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                shapes[leaf] = {d: Dim.AUTO for d in range(leaf.dim())}
-        dynamic_shapes = shapes.dynamic_shapes(model, args, kwargs)
+                  dynamic: bool, leaves: tuple[str, ...] = ()) -> TracedGraph:
     hook = model.register_forward_hook(_register_output_dataclasses)
     try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
-                                 strict=False)
+        with leaves_as_custom_ops(model, leaves, args, kwargs) as sites, \
+                _packed_forward(model):
+            # The model is called as model((args, kwargs)): export then never binds
+            # (args, kwargs) to a forward(*args, **kwargs) signature itself, which in torch
+            # 2.13 breaks dynamic shapes (PEFT's PeftModel.forward is one such signature).
+            dynamic_shapes = None
+            if dynamic:
+                shapes = ShapesCollection()
+                for leaf in pytree.tree_leaves((args, kwargs)):
+                    if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                        shapes[leaf] = {d: Dim.AUTO for d in range(leaf.dim())}
+                dynamic_shapes = shapes.dynamic_shapes(model, ((args, kwargs),))
+            ep = _quiet_export(model, ((args, kwargs),), {}, dynamic_shapes)
     finally:
         hook.remove()
+        _clear_dim_markers((args, kwargs))
     gm = ep.graph_module
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -194,6 +263,11 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         state_tensors[node.name] = tensor
         state.append(_state_spec(node.name, fqn, aliases, kind, tensor))
 
+    # User inputs are named after forward's parameters (export saw one packed argument).
+    for node, name in zip(user_inputs, _input_names(model, args, kwargs)):
+        node._rename(name)
+        node.target = node.name
+
     # Outputs: user outputs (values or constants) and reassigned buffers.
     out_node = next(n for n in graph.nodes if n.op == "output")
     flat_out = list(out_node.args[0])
@@ -219,7 +293,15 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     for node in graph.nodes:
         if node.op == "call_function":
             node.meta[MODULE_PATH] = _module_path(node)
-    _mark_state_mutations(graph, {s.name for s in state if s.kind == "buffer"})
+    buffer_slots = {s.name for s in state if s.kind == "buffer"}
+    _mark_state_mutations(graph, buffer_slots)
+    for node, path in replace_opaque_calls(gm, model, sites).items():
+        node.meta[MODULE_PATH] = path
+        if node.target is call_module_functional and model.get_submodule(path).training:
+            # An opaque module in training mode may update its buffers (BatchNorm).
+            written = sorted(v.name for v in node.args[1].values() if v.name in buffer_slots)
+            if written:
+                node.meta[MUTATES] = tuple(written)
     gm.recompile()
 
     flat_inputs, in_spec = pytree.tree_flatten((args, kwargs))
@@ -240,8 +322,83 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         constants=constants,
         state_tensors=state_tensors,
         example_inputs=tuple(flat_inputs),
-        method="export" if dynamic else "export-static",
+        method=LEAVES_METHOD if leaves else "export" if dynamic else "export-static",
+        leaves=leaves,
     )
+
+
+def _input_names(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> list[str]:
+    """A name per flat input: the forward parameter (or keyword) it was passed as, with
+    the position inside nested containers appended (``input_ids``, ``pair_0``)."""
+    try:
+        positional = [p.name for p in inspect.signature(model.forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        positional = []
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                 for k in path]
+        if path[0].idx == 0:  # type: ignore[attr-defined]
+            i = int(parts[1])
+            parts[1] = positional[i] if i < len(positional) else f"arg{i}"
+        name = re.sub(r"\W", "_", "_".join(parts[1:]))
+        names.append(name if name and not name[0].isdigit() else f"input_{name}")
+    return names
+
+
+def _clear_dim_markers(tree: Any) -> None:
+    """Remove the dynamic-dimension marks export puts on input tensors (a failed export
+    leaves them, and the next, static, attempt would then trace dynamic shapes)."""
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            for attr in [a for a in vars(leaf) if a.startswith(("_dynamo_", "_has_dynamo"))]:
+                delattr(leaf, attr)
+
+
+def _packed_forward(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Give ``model`` (this instance) a ``forward(inputs)`` taking ``(args, kwargs)``."""
+    inner = model.forward
+
+    def forward(inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        return inner(*inputs[0], **inputs[1])
+
+    return replaced_forward(model, forward)
+
+
+def _quiet_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  dynamic_shapes: Any) -> torch.export.ExportedProgram:
+    """``torch.export.export`` without the partial graph it prints to stderr when tracing
+    hits data-dependent code (hundreds of lines for a model that the next attempt handles);
+    the graph goes to the debug log, anything else printed is passed through."""
+    captured = io.StringIO()
+    error: BaseException | None = None
+    try:
+        with contextlib.redirect_stderr(captured):
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                       strict=False)
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        text = captured.getvalue()
+        partial = next((getattr(e, "partial_fx_graph") for e in _exception_chain(error)
+                        if getattr(e, "partial_fx_graph", None)), None)
+        if partial:
+            text = text.replace(str(partial), "")  # printed once per nested wrapper
+            log.debug("roundpipe: torch.export's partial graph before the failure:\n%s",
+                      partial)
+        if text.strip():
+            sys.stderr.write(text)
+
+
+def _exception_chain(error: BaseException | None) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
 
 
 def _register_output_dataclasses(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -361,7 +518,9 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     params = [p for p in sig.parameters.values()
               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if len(params) != len(sig.parameters):
-        raise TraceError("the torch.fx fallback cannot trace a forward with *args/**kwargs")
+        # Not a TraceError: this is one failed attempt, reported with the others.
+        raise NotImplementedError(
+            f"{type(model).__name__}.forward takes *args/**kwargs, which torch.fx cannot bind")
     # Non-tensor arguments (and arguments left at their default) are specialised.
     values = {p.name: bound.arguments.get(p.name, p.default) for p in params}
     concrete = {name: v for name, v in values.items() if not isinstance(v, torch.Tensor)}
@@ -494,13 +653,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def _user_frame(e: BaseException) -> str | None:
-    """The innermost traceback frame outside torch and roundpipe: the user's source line."""
+    """The innermost traceback frame outside torch and roundpipe: the user's source line
+    (following chained exceptions, as export re-raises some errors as new ones)."""
     torch_dir = os.path.dirname(torch.__file__)
     here = os.path.dirname(os.path.dirname(__file__))
-    frames = traceback.extract_tb(e.__traceback__)
-    for frame in reversed(frames):
-        if not frame.filename.startswith((torch_dir, here)) and "<" not in frame.filename:
-            return f'{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or "").strip()}'
+    for exc in _exception_chain(e):
+        for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+            if not frame.filename.startswith((torch_dir, here)) and "<" not in frame.filename:
+                return (f'{frame.filename}:{frame.lineno} in {frame.name}: '
+                        f'{(frame.line or "").strip()}')
     return None
 
 
@@ -509,16 +670,39 @@ def _describe(e: BaseException) -> str:
     return _first_line(e) + (f" (at {where})" if where else "")
 
 
-def _trace_failure_message(model: torch.nn.Module, attempts: list[tuple[str, BaseException]]
-                           ) -> str:
-    lines = [f"could not trace {type(model).__name__}; tried:"]
+def _trace_failure_message(model: torch.nn.Module, attempts: list[tuple[str, BaseException]],
+                           blamed: str | None, leaves: tuple[str, ...]) -> str:
+    """What was tried, where it failed, and the ways out."""
+    cls = type(model).__name__
+    lines = [f"could not trace {cls}; tried:"]
     for method, e in attempts:
         lines.append(f"  - {method}: {_describe(e)}")
-    lines.append(
-        "Make the failing line traceable (avoid data-dependent Python control flow, or "
-        "move it into a submodule of a repeated block so the torch.fx fallback keeps it "
-        "opaque), or pass example inputs that match real calls."
-    )
+    opaque = blamed is not None and any(blamed == p or blamed.startswith(p + ".")
+                                        for p in leaves)
+    if blamed is None:
+        lines.append(
+            f"The failing code runs in {cls}.forward itself (or in functions it calls), not "
+            "in a submodule, so it cannot be kept opaque as it is.")
+    elif opaque:
+        lines.append(
+            f"It fails inside {blamed} ({type(model.get_submodule(blamed)).__name__}) even "
+            "when kept opaque: a leaf module must run on the example inputs and return "
+            "tensors in lists, tuples, dicts or dataclasses.")
+    else:
+        lines.append(f"It fails inside {blamed} "
+                     f"({type(model.get_submodule(blamed)).__name__}).")
+    leaf_hint = blamed if blamed is not None and not opaque else "a.submodule.path"
+    lines += [
+        "Ways out:",
+        "  * if the model's config chooses between implementations of that code (Hugging "
+        "Face configs: attn_implementation=..., experts_implementation=...), pick one "
+        "without data-dependent Python control flow;",
+        f"  * keep the module that runs it opaque: roundpipe.compile(model, ..., "
+        f"leaf_modules=[{leaf_hint!r}]) (it then runs as plain Python, with static shapes)"
+        + (", after moving the code into a submodule;" if blamed is None else ";"),
+        "  * make the failing line traceable (avoid data-dependent Python control flow), or "
+        "pass example inputs that match real calls.",
+    ]
     return "\n".join(lines)
 
 

@@ -9,6 +9,8 @@ argument), which forks and restores the device's default generator under a lock.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -86,12 +88,29 @@ def _device_lock(device: torch.device) -> threading.Lock:
 
 def resolve_op(name: str) -> Callable[..., Any]:
     """``"aten.rand.default"`` -> ``torch.ops.aten.rand.default``; ``"modcall"`` -> the
-    functional module call used by torch.fx programs."""
+    functional module call used by torch.fx programs; ``"py:torch.bernoulli"`` -> a
+    Python-level callable by its qualified name (torch-level calls of Dynamo graphs)."""
+    if name.startswith("py:"):
+        return _python_callable(name[3:])
     if name == "modcall":
         from .modcall import call_module_functional
         return call_module_functional
     namespace, op, overload = name.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+@functools.lru_cache(maxsize=None)
+def _python_callable(path: str) -> Callable[..., Any]:
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):  # the longest importable module prefix
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ValueError(f"cannot resolve {path!r}")
 
 
 def seeded(op: str, key: RngKey | None, unit: int, ordinal: int,

@@ -1,0 +1,584 @@
+"""Front end for ``torch.compile``: turn a Dynamo graph into the trace pass's output.
+
+Dynamo hands a backend a ``GraphModule`` whose placeholders are the frame's inputs *and*
+the module state it reads: parameters (the example input is the ``nn.Parameter`` itself),
+buffers, and SymInt sizes under dynamic shapes.  Tied weights already share one
+placeholder.  Before::
+
+    l_self_modules_h_modules_0_modules_qkv_parameters_weight_, ..., l_idx_ = placeholders
+    linear = torch._C._nn.linear(layer_norm, l_self_modules_h_..._weight_, ...)
+    view = linear.view(2, 8, 3, 2, 16)            # torch-level IR, not ATen
+    return (linear_16,)
+
+After (:func:`from_dynamo`, a :class:`~roundpipe.passes.trace.TracedGraph`)::
+
+    p_h_0_qkv_weight, ..., idx = placeholders      # state slots first, then user inputs
+    ...                                            # same nodes, with roundpipe.* meta
+
+State slots are the placeholders whose example is a parameter or whose source is a module
+buffer (``L['self']._modules['h']._modules['0']._buffers['running_mean']``); their names
+come from the source.  Everything else is a user input.  The graph has no ``nn.Module``,
+so the layer units come from the ``nn_module_stack`` paths and types recorded on the nodes
+(:func:`unit_roots`, the counterpart of :func:`~roundpipe.passes.layers.find_unit_roots`).
+
+Torch-level IR hides what ATen schemas say, so this pass also records:
+
+* ``meta["roundpipe.mutates"]``: buffers written in place (``num_batches_tracked.add_(1)``,
+  ``F.batch_norm(..., training=True)``);
+* ``meta["roundpipe.writes"]``: values written in place, so the layers pass keeps a write
+  in the unit that defines the value;
+* ``meta["roundpipe.random"]``: random calls codegen does not already key (the dropout
+  variants, ``scaled_dot_product_attention`` with ``dropout_p > 0``, ``torch.rand``...),
+  so that recompute draws the same numbers as the forward pass.
+
+A graph roundpipe cannot run faithfully raises :class:`Unsupported`; the backend then runs
+that graph eagerly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from ..plan import InputSignature, OutputRef, StateSpec
+from .codegen import RANDOM
+from .layers import WRITES
+from .trace import MODULE_PATH, MUTATES, TracedGraph
+
+log = logging.getLogger(__name__)
+
+METHOD = "dynamo"
+
+
+class Unsupported(Exception):
+    """The graph cannot be pipelined faithfully; the message says why."""
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """One input of the Dynamo graph, in call order.
+
+    Attributes:
+        name: value name in the converted graph (a state slot or a user input).
+        source: Dynamo's name for where the value came from (``L['x']``,
+            ``L['self']._modules['fc']._parameters['weight']``, ``L['x'].size()[0]``).
+        kind: ``"parameter"``, ``"buffer"``, ``"tensor"`` (user tensor), ``"symint"``
+            or ``"other"``.
+        size_of: for a SymInt that is a size of another input, ``(input index, dim)``.
+        local: the value is a frame argument (or an item of one), not an attribute of a
+            module or a global: only such inputs may be split into microbatches.
+    """
+
+    name: str
+    source: str
+    kind: str
+    size_of: tuple[int, int] | None = None
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class DynamoGraph:
+    """A Dynamo graph converted for the passes from ``layers`` on."""
+
+    traced: TracedGraph
+    unit_roots: tuple[str, ...]
+    placeholders: tuple[Placeholder, ...]
+
+
+def from_dynamo(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> DynamoGraph:
+    """Convert Dynamo's graph (left untouched) into a :class:`TracedGraph`.
+
+    Raises:
+        Unsupported: the graph holds something roundpipe cannot run as it would run
+            eagerly (module calls left opaque, writes to parameters or inputs, ...).
+    """
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    new_gm = torch.fx.GraphModule(gm, graph)
+    graph = new_gm.graph
+    old_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = [env[n] for n in old_placeholders]
+    if len(placeholders) != len(example_inputs):
+        raise Unsupported(f"the graph has {len(placeholders)} inputs but Dynamo gave "
+                          f"{len(example_inputs)} example inputs")
+    if any(n.op == "call_module" for n in graph.nodes):
+        raise Unsupported("the graph calls modules opaquely (torch._dynamo.config."
+                          "inline_inbuilt_nn_modules is off), so their weights are not "
+                          "graph inputs")
+
+    # --- placeholders: state slots (by tensor identity) and user inputs ---------------------
+    sources = [_source_name(old) for old in old_placeholders]
+    slot_of_tensor: dict[int, torch.fx.Node] = {}
+    state: list[StateSpec] = []
+    state_tensors: dict[str, torch.Tensor] = {}
+    constants: dict[str, torch.Tensor] = {}
+    aliases: dict[str, list[str]] = {}
+    infos: list[tuple[str, str, bool]] = []  # (kind, node name placeholder i maps to, local)
+    user_nodes: list[torch.fx.Node] = []
+    user_examples: list[Any] = []
+    for node, source, example in zip(placeholders, sources, example_inputs):
+        kind = _input_kind(source, example)
+        if kind in ("parameter", "buffer"):
+            fqn = _fqn(source) or node.name
+            canonical = slot_of_tensor.get(id(example))
+            if canonical is not None:  # the same tensor twice: one slot
+                node.replace_all_uses_with(canonical)
+                graph.erase_node(node)
+                aliases[canonical.name].append(fqn)
+                infos.append((kind, canonical.name, False))
+                continue
+            node._rename(("p_" if kind == "parameter" else "b_") + re.sub(r"\W", "_", fqn))
+            node.target = node.name
+            slot_of_tensor[id(example)] = node
+            aliases[node.name] = [fqn]
+            state_tensors[node.name] = example
+            infos.append((kind, node.name, False))
+        else:
+            local = _is_local(source)
+            name = _input_name(source)
+            if name and name != node.name:
+                node._rename(name)
+                node.target = node.name
+            user_nodes.append(node)
+            user_examples.append(_concrete(example))
+            infos.append((kind, node.name, local))
+    # Tensors captured as attributes of the graph module become constant slots.
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            value = _get_attr(new_gm, node.target)
+            if isinstance(value, torch.Tensor):
+                with graph.inserting_before(next(iter(graph.nodes))):
+                    ph = graph.placeholder("c_" + re.sub(r"\W", "_", str(node.target)))
+                node.replace_all_uses_with(ph)
+                graph.erase_node(node)
+                constants[ph.name] = value
+                state_tensors[ph.name] = value
+                aliases[ph.name] = [str(node.target)]
+    # State slots first, then user inputs (the order the cost pass expects).
+    slot_nodes = [n for n in graph.nodes if n.op == "placeholder" and n.name in state_tensors]
+    anchor = next((n for n in graph.nodes if n not in slot_nodes), None)
+    if anchor is not None:
+        for node in slot_nodes:
+            anchor.prepend(node)  # each goes right before the anchor: order is kept
+    kinds = {n: k for k, n, _ in infos if k in ("parameter", "buffer")}
+    for node in slot_nodes:
+        tensor = state_tensors[node.name]
+        kind = kinds.get(node.name, "constant")
+        names = aliases[node.name]
+        state.append(StateSpec(
+            name=node.name, fqn=names[0], aliases=tuple(names[1:]),
+            kind=kind,  # type: ignore[arg-type]
+            shape=tuple(tensor.shape), dtype=tensor.dtype,
+            nbytes=tensor.numel() * tensor.element_size(),
+            requires_grad=kind == "parameter" and tensor.requires_grad))
+
+    # --- meta the passes read -------------------------------------------------------------
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            node.meta[MODULE_PATH] = module_path(node)
+    buffers = {s.name for s in state if s.kind == "buffer"}
+    params = {s.name for s in state if s.kind == "parameter"}
+    user_names = {n.name for n in user_nodes}
+    for node in graph.nodes:
+        written = [alias_root(w) for w in written_values(node)]
+        if not written:
+            continue
+        node.meta[WRITES] = tuple(written)
+        roots = {w.name for w in written}
+        if roots & params:
+            raise Unsupported(f"{node.format_node()} writes to a parameter in place")
+        if roots & user_names:
+            raise Unsupported(f"{node.format_node()} writes to an input of the graph in "
+                              "place; roundpipe works on copies, so the write would be lost")
+        mutated = tuple(sorted(roots & buffers))
+        if mutated:
+            node.meta[MUTATES] = mutated
+    for node in graph.nodes:
+        if is_random(node):
+            node.meta[RANDOM] = True
+    _keep_modes_in_one_unit(graph)
+
+    # --- outputs ----------------------------------------------------------------------------
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    flat_out = list(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) \
+        else [out_node.args[0]]
+    outputs: list[OutputRef] = []
+    for value in flat_out:
+        if isinstance(value, torch.fx.Node):
+            if value.name in state_tensors:
+                raise Unsupported(f"the graph returns its state input {value.name} itself")
+            outputs.append(OutputRef(value.name))
+        else:
+            outputs.append(OutputRef(None, value))
+    out_node.args = (tuple(flat_out),)
+    new_gm.recompile()
+
+    index_of_source = {src: i for i, src in enumerate(sources)}
+    infos_out: list[Placeholder] = []
+    for i, ((kind, name, local), source) in enumerate(zip(infos, sources)):
+        size_of = _size_source(example_inputs[i], old_placeholders[i], index_of_source)
+        infos_out.append(Placeholder(name=name, source=source, kind=kind, size_of=size_of,
+                                     local=local))
+    names = tuple(n.name if n.users else None for n in user_nodes)
+    static = tuple(("tensor", x.dtype, tuple(None for _ in x.shape))
+                   if isinstance(x, torch.Tensor) else ("const", x) for x in user_examples)
+    traced = TracedGraph(
+        graph_module=new_gm,
+        state=tuple(state),
+        inputs=InputSignature("signature", None, tuple(n.name for n in user_nodes),
+                              tuple(inspect.Parameter.empty for _ in user_nodes), names,
+                              static),
+        outputs=tuple(outputs),
+        out_spec=pytree.tree_flatten(tuple(range(len(outputs))))[1],
+        buffer_updates=(),
+        constants=constants,
+        state_tensors=state_tensors,
+        example_inputs=tuple(user_examples),
+        method=METHOD,
+    )
+    return DynamoGraph(traced=traced, unit_roots=unit_roots(graph, state),
+                       placeholders=tuple(infos_out))
+
+
+# --- sources --------------------------------------------------------------------------------
+
+def _source_name(node: torch.fx.Node) -> str:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return ""
+    name = source.name
+    return name() if callable(name) else str(name)
+
+
+_STATE_PART = re.compile(r"\._(modules|parameters|buffers)\['([^']*)'\]")
+
+
+def _fqn(source: str) -> str:
+    """``L['self']._modules['h']._modules['0']._parameters['weight']`` -> ``h.0.weight``."""
+    return ".".join(m.group(2) for m in _STATE_PART.finditer(source))
+
+
+def _input_kind(source: str, example: Any) -> str:
+    if isinstance(example, torch.nn.Parameter):
+        return "parameter"
+    if isinstance(example, torch.Tensor):
+        return "buffer" if "._buffers[" in source else "tensor"
+    if isinstance(example, torch.SymInt):
+        return "symint"
+    return "other"
+
+
+# A frame argument or an item of one: L['x'], L['batch']['input_ids'], L['args'][0].
+_LOCAL = re.compile(r"^L\['[^']+'\](\[[^\]]+\])*$")
+
+
+def _is_local(source: str) -> bool:
+    return bool(_LOCAL.match(source))
+
+
+def _input_name(source: str) -> str:
+    """A readable value name for a user input: ``L['x']`` -> ``x``."""
+    if not _is_local(source):
+        return ""
+    name = re.sub(r"\W+", "_", source[1:]).strip("_")
+    return name if name and not name[0].isdigit() else f"input_{name}"
+
+
+def _concrete(example: Any) -> Any:
+    """A SymInt example as the int it stands for (the cost pass runs on real sizes)."""
+    if isinstance(example, torch.SymInt):
+        hint = getattr(example.node, "hint", None)
+        return int(hint) if hint is not None else example
+    return example
+
+
+def _size_source(example: Any, node: torch.fx.Node, index_of_source: Mapping[str, int]
+                 ) -> tuple[int, int] | None:
+    """For a SymInt input ``L['x'].size()[d]``: (placeholder index of ``x``, ``d``)."""
+    if not isinstance(example, torch.SymInt):
+        return None
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    try:
+        from torch._dynamo.source import TensorProperty, TensorPropertySource
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    if not isinstance(source, TensorPropertySource) or source.prop != TensorProperty.SIZE:
+        return None
+    base = source.base.name
+    base = base() if callable(base) else str(base)
+    if base not in index_of_source or source.idx is None:
+        return None
+    return index_of_source[base], int(source.idx)
+
+
+def _get_attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --- module paths and layer units ------------------------------------------------------------
+
+def normalize_path(path: str) -> str:
+    """Dynamo's module paths relative to the compiled frame's root object:
+    ``L['self'].h.0.attn`` and ``L['self'].h[0].attn`` -> ``h.0.attn``."""
+    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    return path.strip(".")
+
+
+def module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return normalize_path(list(stack.values())[-1][0])
+
+
+# A child of a repeated container is replaced by its own inner units when those cover at
+# least this share of its parameters (as in layers.find_unit_roots).
+_NESTED_COVERAGE = 0.5
+
+
+def unit_roots(graph: torch.fx.Graph, state: Iterable[StateSpec]) -> tuple[str, ...]:
+    """Paths of the repeated blocks, from the ``nn_module_stack`` of the graph's nodes.
+
+    The rule of :func:`~roundpipe.passes.layers.find_unit_roots`, on what the graph shows:
+    a module with at least two numbered children (``h.0``, ``h.1``) that all have one type
+    and hold parameters is a repeated container; its children are the units, or their own
+    inner units where those cover most of their parameters.
+    """
+    types: dict[str, type | None] = {}
+    for node in graph.nodes:
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            types[normalize_path(path)] = cls if isinstance(cls, type) else None
+    numel: dict[str, int] = {}
+    for spec in state:
+        if spec.kind != "parameter":
+            continue
+        size = 1
+        for d in spec.shape:
+            size *= int(d)
+        for fqn in (spec.fqn,) + spec.aliases:
+            parts = fqn.split(".")
+            for i in range(len(parts)):  # every ancestor module (and the root, "")
+                prefix = ".".join(parts[:i])
+                numel[prefix] = numel.get(prefix, 0) + size
+                types.setdefault(prefix, None)
+    children: dict[str, list[str]] = {}
+    for path in types:
+        if path:
+            parent, _, _ = path.rpartition(".")
+            children.setdefault(parent, []).append(path)
+
+    def repeated(path: str) -> bool:
+        kids = [k for k in children.get(path, []) if k.rpartition(".")[2].isdigit()]
+        if len(kids) < 2 or len(kids) != len(children.get(path, [])):
+            return False
+        kinds = {types.get(k) for k in kids}
+        return len(kinds) == 1 and None not in kinds and all(numel.get(k, 0) > 0 for k in kids)
+
+    def expand(container: str) -> list[str]:
+        roots: list[str] = []
+        for kid in sorted(children.get(container, []), key=_path_key):
+            inner = expand(kid) if repeated(kid) else roots_in(kid)
+            covered = sum(numel.get(r, 0) for r in inner)
+            if inner and numel.get(kid, 0) and covered >= _NESTED_COVERAGE * numel[kid]:
+                roots.extend(inner)
+            else:
+                roots.append(kid)
+        return roots
+
+    def roots_in(path: str) -> list[str]:
+        roots: list[str] = []
+        for kid in sorted(children.get(path, []), key=_path_key):
+            roots.extend(expand(kid) if repeated(kid) else roots_in(kid))
+        return roots
+
+    return tuple(expand("") if repeated("") else roots_in(""))
+
+
+def _path_key(path: str) -> tuple:
+    last = path.rpartition(".")[2]
+    return (0, int(last), "") if last.isdigit() else (1, 0, last)
+
+
+# --- in-place writes -----------------------------------------------------------------------------
+
+# In-place operator forms (``x += y`` on a tensor), which write their first argument.
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                      operator.imatmul}
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _inplace_flag(fn: Callable[..., Any], node: torch.fx.Node) -> bool:
+    """``F.relu(x, inplace=True)`` and the like, the flag given by keyword or position."""
+    if "inplace" in node.kwargs:
+        return bool(node.kwargs["inplace"])
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    if "inplace" in params:
+        i = params.index("inplace")
+        return i < len(node.args) and bool(node.args[i])
+    return False
+
+
+# Torch-level ops whose schema (at this level there is none) would hide an in-place write
+# to running statistics.
+_HIDDEN_WRITES: dict[Any, Callable[[torch.fx.Node], tuple[Any, ...]]] = {
+    F.batch_norm: lambda n: (_arg(n, 1, "running_mean"), _arg(n, 2, "running_var"))
+    if _arg(n, 5, "training", False) else (),
+    F.instance_norm: lambda n: (_arg(n, 1, "running_mean"), _arg(n, 2, "running_var"))
+    if _arg(n, 5, "use_input_stats", True) else (),
+}
+
+
+def _is_tensor_value(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("example_value"),
+                                                          torch.Tensor)
+
+
+def written_values(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Values ``node`` writes in place (torch-level IR)."""
+    written: list[Any] = []
+    if node.op == "call_method":
+        name = str(node.target)
+        if name.endswith("_") and not name.startswith("_") and name != "requires_grad_":
+            written.append(node.args[0])
+    elif node.op == "call_function":
+        target = node.target
+        if target in _INPLACE_OPERATORS and _is_tensor_value(node.args[0]):
+            written.append(node.args[0])
+        elif target is operator.setitem:
+            written.append(node.args[0])
+        elif target in _HIDDEN_WRITES:
+            written.extend(_HIDDEN_WRITES[target](node))
+        else:
+            name = getattr(target, "__name__", "")
+            if name.endswith("_") and not name.startswith("_") and node.args:
+                written.append(node.args[0])  # torch.relu_(x), torch._C._nn.elu_(x)
+            elif callable(target) and node.args and _inplace_flag(target, node):
+                written.append(node.args[0])
+            out = node.kwargs.get("out")
+            if out is not None:
+                written.extend(pytree.tree_leaves(out))
+    return [w for w in written if isinstance(w, torch.fx.Node)]
+
+
+# Methods and functions whose result may share memory with their first argument.
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
+                 "unsqueeze", "squeeze", "expand", "expand_as", "narrow", "select",
+                 "as_strided", "flatten", "unflatten", "split", "chunk", "unbind",
+                 "contiguous", "detach", "movedim", "swapaxes", "swapdims", "diagonal",
+                 "unfold", "real", "imag", "view_as_real", "view_as_complex", "T", "mT",
+                 "tensor_split", "split_with_sizes", "to", "type_as", "float", "half",
+                 "bfloat16", "double", "int", "long", "bool", "type"}
+_VIEW_FUNCTIONS = {torch.transpose, torch.permute, torch.reshape, torch.unsqueeze,
+                   torch.squeeze, torch.narrow, torch.select, torch.flatten, torch.split,
+                   torch.chunk, torch.unbind, torch.movedim, torch.swapaxes, torch.t,
+                   torch.diagonal, torch.as_strided, torch.tensor_split, torch.detach,
+                   operator.getitem}
+
+
+def alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow ops whose result may alias their first argument back to the base value
+    (over-approximating aliasing only merges units that could have stayed apart)."""
+    while True:
+        aliasing = ((node.op == "call_method" and node.target in _VIEW_METHODS)
+                    or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS))
+        if not aliasing or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return node
+        node = node.args[0]
+
+
+# --- grad mode and autocast regions -----------------------------------------------------------
+
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
+
+def _keep_modes_in_one_unit(graph: torch.fx.Graph) -> None:
+    """``with torch.no_grad()`` / ``torch.autocast`` inside the model become
+    ``_set_grad_enabled`` / ``_enter_autocast`` ... ``_exit_autocast`` calls.  The state
+    they set is per thread and units run on different devices' threads, so a region must
+    not straddle units: the call that leaves a region is marked as writing the call that
+    entered it (the layers pass then keeps both in one unit), and the entering call takes
+    the module path of what follows it, so it joins that unit rather than the one before.
+    """
+    openers: list[torch.fx.Node] = []
+    grad_calls = [n for n in graph.nodes
+                  if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    if grad_calls:
+        # Dynamo emits a call only when the mode changes: the first sets the opposite
+        # of the mode the graph starts in.  A region runs from leaving that mode to
+        # coming back to it.
+        initial = not bool(grad_calls[0].args[0])
+        opener: torch.fx.Node | None = None
+        for node in grad_calls:
+            value = bool(node.args[0])
+            if value != initial and opener is None:
+                opener = node
+                openers.append(node)
+            elif value == initial and opener is not None:
+                node.meta[WRITES] = tuple(node.meta.get(WRITES, ())) + (opener,)
+                opener = None
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _ENTER_AUTOCAST:
+            openers.append(node)
+        elif node.op == "call_function" and node.target is _EXIT_AUTOCAST:
+            enter = node.args[0] if node.args else None
+            if isinstance(enter, torch.fx.Node):
+                node.meta[WRITES] = tuple(node.meta.get(WRITES, ())) + (enter,)
+    for node in openers:
+        nxt = node.next
+        while nxt.op != "output" and not nxt.meta.get(MODULE_PATH):
+            nxt = nxt.next
+        if nxt.op != "output":
+            node.meta[MODULE_PATH] = nxt.meta[MODULE_PATH]
+
+
+# --- random calls ----------------------------------------------------------------------------
+
+_RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.randperm,
+                     torch.rand_like, torch.randn_like, torch.randint_like,
+                     torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
+                     F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                     F.feature_alpha_dropout, F.gumbel_softmax, F.rrelu,
+                     F.fractional_max_pool2d, F.fractional_max_pool3d}
+_RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_",
+                   "exponential_", "geometric_", "cauchy_", "log_normal_", "multinomial"}
+_SDPA = {F.scaled_dot_product_attention}
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """A torch-level call that draws random numbers and that codegen does not already
+    replace by a keyed stream (it does for ``F.dropout``)."""
+    if node.op == "call_method":
+        return node.target in _RANDOM_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target in _SDPA:
+        p = _arg(node, 4, "dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return node.target in _RANDOM_FUNCTIONS

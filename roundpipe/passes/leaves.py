@@ -1,0 +1,268 @@
+"""Opaque leaf modules for ``torch.export``: modules that run as plain Python at run time.
+
+Some modules cannot be exported: data-dependent control flow (``for e in mask.nonzero()``
+in a mixture-of-experts layer), calls into libraries that export cannot see through.
+Marked as *leaves* (by the user with ``leaf_modules=[...]``, or automatically when export
+fails inside them), they appear in the exported graph as one opaque call.
+
+How, for a leaf ``layers.0.mlp.experts``::
+
+    # 1. the model runs once for real; forward hooks record each leaf call's output
+    #    structure and tensor shapes (buffers and the RNG state are restored afterwards)
+    # 2. during export the leaf's forward is replaced by a custom op whose fake
+    #    implementation returns empty tensors of the recorded shapes:
+    opaque_call = roundpipe.opaque_call([hidden, idx, weights, p_gate_up, p_down], site)
+    # 3. after export that node becomes a functional call of the module itself:
+    call = call_module_functional(_leaf_layers_0_mlp_experts,
+                                  {"gate_up_proj": p_gate_up, "down_proj": p_down},
+                                  hidden, idx, weights)
+    outs = tensor_leaves(call)
+
+The module's state stays explicit (placeholders, streamed like any other weight) and the
+call is differentiated by ordinary eager autograd.  Shapes are those of the example, so a
+graph with leaves is traced with static shapes (one program per input shape).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from ..errors import ConfigError
+from ..runtime.modcall import call_module_functional, tensor_leaves
+
+LEAF_PREFIX = "_leaf_"
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class _Site:
+    """One call of a leaf module: what the real run recorded and what export passed."""
+
+    path: str
+    out_spec: Any = None
+    out_leaves: list[Any] = field(default_factory=list)  # _TensorMeta or constants
+    in_spec: Any = None
+    in_consts: dict[int, Any] = field(default_factory=dict)
+    num_tensor_inputs: int = 0
+    state_names: tuple[str, ...] = ()
+
+
+_SITES: dict[int, _Site] = {}
+_NEXT_SITE = itertools.count()
+
+
+@torch.library.custom_op("roundpipe::opaque_call", mutates_args=())
+def opaque_call(tensors: list[torch.Tensor], site: int) -> list[torch.Tensor]:
+    """Stands for one leaf module call while exporting; never runs for real."""
+    raise RuntimeError("roundpipe::opaque_call is a tracing placeholder; it is replaced by "
+                       "the module call before the graph runs")
+
+
+@opaque_call.register_fake
+def _opaque_call_fake(tensors: list[torch.Tensor], site: int) -> list[torch.Tensor]:
+    info = _SITES[site]
+    return [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=t.device)
+            for t in info.out_leaves if isinstance(t, _TensorMeta)]
+
+
+_OPAQUE_OP = torch.ops.roundpipe.opaque_call.default
+
+
+def resolve_leaf_modules(model: torch.nn.Module,
+                         leaf_modules: Iterable[str | type]) -> tuple[str, ...]:
+    """Module paths for ``leaf_modules`` entries: a path (``"model.layers.0.mlp"``) or a
+    module class (every instance).  Modules inside another leaf are dropped."""
+    named = dict(model.named_modules())
+    paths: list[str] = []
+    for entry in leaf_modules:
+        if isinstance(entry, type):
+            found = [n for n, m in named.items() if n and type(m) is entry]
+            if not found:
+                raise ConfigError(f"leaf_modules: {type(model).__name__} has no submodule of "
+                                  f"type {entry.__name__}")
+            paths.extend(found)
+        elif isinstance(entry, str) and entry in named and entry:
+            paths.append(entry)
+        else:
+            examples = ", ".join(repr(n) for n in list(named)[1:4])
+            raise ConfigError(
+                f"leaf_modules: {entry!r} is not a submodule path or module class of "
+                f"{type(model).__name__} (paths look like {examples}); give paths as "
+                "model.named_modules() spells them, or classes")
+    paths = sorted(set(paths))
+    return tuple(p for p in paths
+                 if not any(p.startswith(q + ".") for q in paths if q != p))
+
+
+def same_type_modules(model: torch.nn.Module, path: str) -> tuple[str, ...]:
+    """Every module of the same class as the one at ``path`` (same code, same failure)."""
+    cls = type(model.get_submodule(path))
+    return tuple(n for n, m in model.named_modules() if n and type(m) is cls)
+
+
+def failing_module(model: torch.nn.Module, error: BaseException) -> str | None:
+    """Path of the innermost submodule of ``model`` whose code was running when ``error``
+    was raised (read from the traceback's frames, following chained exceptions)."""
+    by_id = {id(m): n for n, m in model.named_modules() if n}
+    seen: set[int] = set()
+    exc: BaseException | None = error
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        innermost = None
+        tb = exc.__traceback__
+        while tb is not None:
+            obj = tb.tb_frame.f_locals.get("self")
+            if obj is not None and id(obj) in by_id:
+                innermost = by_id[id(obj)]
+            tb = tb.tb_next
+        if innermost is not None:
+            return innermost
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> dict[str, list[_Site]]:
+    """Run the model once for real and record every leaf call's output structure.
+
+    Buffers and the CPU RNG state are restored afterwards, so the run leaves no trace.
+    """
+    calls: dict[str, list[_Site]] = {p: [] for p in leaves}
+    handles = []
+    for path in leaves:
+        def hook(module: torch.nn.Module, inputs: Any, output: Any, path: str = path) -> None:
+            flat, spec = pytree.tree_flatten(output)
+            leaves_meta = [_TensorMeta(tuple(x.shape), x.stride(), x.dtype, x.device)
+                           if isinstance(x, torch.Tensor) else x for x in flat]
+            calls[path].append(_Site(path, spec, leaves_meta))
+        handles.append(model.get_submodule(path).register_forward_hook(hook))
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(saved[n])
+    return calls
+
+
+@contextlib.contextmanager
+def leaves_as_custom_ops(model: torch.nn.Module, leaves: tuple[str, ...],
+                         args: tuple[Any, ...], kwargs: dict[str, Any]
+                         ) -> Iterator[dict[int, _Site]]:
+    """While active, each leaf's ``forward`` is one ``roundpipe::opaque_call``.
+
+    Yields the sites (by id) that export traced; :func:`replace_opaque_calls` needs them.
+    """
+    if not leaves:
+        yield {}
+        return
+    calls = _record_calls(model, leaves, args, kwargs)
+    counters = dict.fromkeys(leaves, 0)
+    used: dict[int, _Site] = {}
+
+    def make_forward(path: str, module: torch.nn.Module) -> Any:
+        def forward(*f_args: Any, **f_kwargs: Any) -> Any:
+            recorded = calls[path]
+            if not recorded:
+                raise RuntimeError(f"leaf module {path} ran while tracing but not in the "
+                                   "real run with the same inputs")
+            template = recorded[counters[path] % len(recorded)]
+            counters[path] += 1
+            site = _Site(path, template.out_spec, template.out_leaves)
+            sid = next(_NEXT_SITE)
+            _SITES[sid] = site
+            used[sid] = site
+            flat, site.in_spec = pytree.tree_flatten((f_args, f_kwargs))
+            tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+            site.in_consts = {i: x for i, x in enumerate(flat)
+                              if not isinstance(x, torch.Tensor)}
+            site.num_tensor_inputs = len(tensors)
+            state = (list(module.named_parameters(remove_duplicate=False))
+                     + list(module.named_buffers(remove_duplicate=False)))
+            site.state_names = tuple(n for n, _ in state)
+            outs = iter(opaque_call(tensors + [t for _, t in state], sid))
+            flat_out = [next(outs) if isinstance(x, _TensorMeta) else x
+                        for x in site.out_leaves]
+            return pytree.tree_unflatten(flat_out, site.out_spec)
+        return forward
+
+    try:
+        with contextlib.ExitStack() as stack:
+            for path in leaves:
+                module = model.get_submodule(path)
+                stack.enter_context(replaced_forward(module, make_forward(path, module)))
+            yield used
+    finally:
+        for sid in used:
+            _SITES.pop(sid, None)
+
+
+@contextlib.contextmanager
+def replaced_forward(module: torch.nn.Module, forward: Any) -> Iterator[None]:
+    """Make ``forward`` this instance's forward (an instance attribute shadows the class's
+    method); whatever instance attribute was there before is put back."""
+    missing = object()
+    previous = module.__dict__.get("forward", missing)
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del module.forward
+        else:
+            module.forward = previous
+
+
+def replace_opaque_calls(gm: torch.fx.GraphModule, model: torch.nn.Module,
+                         sites: dict[int, _Site]) -> dict[torch.fx.Node, str]:
+    """Turn every ``opaque_call`` node into ``call_module_functional`` on the real module.
+
+    The module is attached to ``gm`` as ``_leaf_<path>``; returns the new nodes with the
+    path of the module they call.
+    """
+    graph = gm.graph
+    made: dict[torch.fx.Node, str] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _OPAQUE_OP:
+            continue
+        tensors, sid = node.args
+        site = sites[sid]
+        attr = LEAF_PREFIX + site.path.replace(".", "_")
+        if not hasattr(gm, attr):
+            gm.add_submodule(attr, model.get_submodule(site.path))
+        inputs = iter(tensors[:site.num_tensor_inputs])
+        num_flat = site.in_spec.num_leaves
+        flat = [site.in_consts[i] if i in site.in_consts else next(inputs)
+                for i in range(num_flat)]
+        call_args, call_kwargs = pytree.tree_unflatten(flat, site.in_spec)
+        mapping = dict(zip(site.state_names, tensors[site.num_tensor_inputs:]))
+        with graph.inserting_before(node):
+            ref = graph.get_attr(attr)
+            call = graph.call_function(call_module_functional,
+                                       (ref, mapping) + tuple(call_args), dict(call_kwargs))
+            outs = graph.call_function(tensor_leaves, (call,))
+        for new in (ref, call, outs):
+            new.meta = dict(node.meta)
+        node.replace_all_uses_with(outs)
+        graph.erase_node(node)
+        made[call] = site.path
+        made[outs] = site.path
+    return made

@@ -1,0 +1,146 @@
+"""Leaf modules: code torch.export cannot trace runs as plain Python inside an exported
+graph, found automatically or named with ``leaf_modules``; and the trace pass's handling
+of failed attempts (dimension marks, ``forward(*args, **kwargs)``, error messages)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import models
+import reference
+from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe.errors import ConfigError, TraceError
+from roundpipe.passes.trace import trace
+
+
+def _line(func, needle: str) -> int:
+    lines, start = inspect.getsourcelines(func)
+    return start + next(i for i, line in enumerate(lines) if needle in line)
+
+
+def _train_and_compare(leaf_modules=None, devices: int = 2) -> RoundPipe:
+    model, args, kwargs = models.routed()
+    model = model.double()
+    args = tuple(a.double() for a in args)
+    label = torch.randn(args[0].shape[0], 2, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * devices, leaf_modules=leaf_modules,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    loss = pipe.forward_backward(input_args=args, label=label, loss_fn=reference.mse_first)
+    ref = reference.eager_forward_backward(eager, args, kwargs, label, reference.mse_first, 3)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    for (name, p), q in zip(pipe.optim_named_parameters(), eager.parameters()):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14)
+    return pipe
+
+
+def test_block_export_cannot_trace_becomes_a_leaf_by_itself():
+    """export fails inside Router and torch.fx at the top-level shape test: every Router is
+    kept opaque, the rest exported, and training equals eager."""
+    pipe = _train_and_compare()
+    plan = pipe.plan
+    assert plan.program.trace_method == "export-leaves"
+    line = _line(models.Router.forward, "for e in choice.unique()")
+    assert [n.split(":")[0] for n in plan.notes] == [
+        "export failed", "export-static failed", "fx failed",
+        "kept opaque (run eagerly, static shapes)"]
+    assert f"models.py:{line}" in plan.notes[0]
+    assert plan.notes[-1].endswith("Router at blocks.0 and 2 more")
+    assert [u.name for u in plan.units if u.kind == "block"] == ["blocks.0", "blocks.1",
+                                                                "blocks.2"]
+    pipe.close()
+
+
+@pytest.mark.parametrize("leaves", [[models.Router], ["blocks.0", "blocks.1", "blocks.2"]])
+def test_leaf_modules_named_by_the_user_skip_the_failing_attempts(leaves):
+    pipe = _train_and_compare(leaf_modules=leaves, devices=3)
+    assert pipe.plan.program.trace_method == "export-leaves"
+    assert pipe.plan.notes == ("kept opaque (run eagerly, static shapes): Router at "
+                               "blocks.0 and 2 more",)
+    pipe.close()
+
+
+def test_experts_inside_an_opaque_block_are_not_units():
+    """MoENet's experts (a ModuleList holding most of each layer's parameters) would be the
+    units by the nested-repeat rule; once export makes their ListMoE block opaque they run
+    inside one call, so the layers are the units again, and training equals eager."""
+    model, args, kwargs = models.moenet()
+    model, args = model.double(), tuple(a.double() for a in args)
+    label = torch.randn(args[0].shape[0], 2, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 3,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    loss = pipe.forward_backward(input_args=args, label=label, loss_fn=reference.mse_first)
+    ref = reference.eager_forward_backward(eager, args, kwargs, label, reference.mse_first, 3)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    for p, q in zip(pipe.optim_parameters(), eager.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14)
+    plan = pipe.plan
+    assert plan.notes[-1].endswith("ListMoE at layers.0.moe and 2 more")
+    assert [(u.name, u.kind) for u in plan.units] == [
+        ("layers.0", "block"), ("layers.1", "block"), ("layers.2", "block"),
+        ("head", "epilogue")]
+    pipe.close()
+
+
+def test_leaf_modules_must_name_submodules():
+    model, _, _ = models.routed()
+    with pytest.raises(ConfigError, match="'blocks.7' is not a submodule path"):
+        RoundPipe(model, devices=["cpu"], leaf_modules=["blocks.7"])
+    with pytest.raises(ConfigError, match="no submodule of type Gate"):
+        RoundPipe(model, devices=["cpu"], leaf_modules=[models.Gate])
+
+
+def test_failed_export_leaves_no_dimension_marks_on_the_inputs():
+    """A failed dynamic export marks the example tensors' dimensions as dynamic; left there,
+    the next (static) attempt traced dynamic shapes."""
+    model, args, kwargs = models.routed()
+    traced = trace(model, args, kwargs)
+    assert traced.method == "export-leaves"
+    assert not any(a.startswith("_dynamo") for a in vars(args[0]))
+    assert all(isinstance(d, int) for d in traced.inputs.static[0][2])  # really static
+
+
+def test_forward_with_var_args_exports_with_dynamic_shapes():
+    """``forward(*args, **kwargs)`` (PEFT's PeftModel): torch 2.13's export cannot match
+    dynamic shapes to that signature unless roundpipe packs the call itself."""
+    model, args, kwargs = models.varargs()
+    traced = trace(model, args, kwargs)
+    assert traced.method == "export" and traced.notes == ()
+    assert traced.inputs.names == ("arg0", "attention_mask")
+    assert all(d is None for d in traced.inputs.static[0][2])
+
+
+def test_untraceable_top_level_code_names_class_line_and_ways_out():
+    model, args, kwargs = models.untraceable()
+    with pytest.raises(TraceError) as info:
+        trace(model, args, kwargs)
+    message = str(info.value)
+    line = _line(models.Untraceable.forward, "if y.sum() > 0")
+    assert message.startswith("could not trace Untraceable;")
+    assert f"models.py:{line} in forward: if y.sum() > 0" in message
+    assert "runs in Untraceable.forward itself" in message
+    assert "leaf_modules=" in message and "experts_implementation=" in message
+
+
+def test_tracing_puts_back_instance_forwards():
+    """Export patches the root's and the leaves' ``forward`` for a while; a forward the
+    instance already had (hooks of other libraries set one) must survive."""
+    model, args, kwargs = models.routed()
+    root_forward = model.forward.__func__.__get__(model)
+    block_forward = model.blocks[1].forward.__func__.__get__(model.blocks[1])
+    model.forward = root_forward
+    model.blocks[1].forward = block_forward
+    traced = trace(model, args, kwargs, opaque_modules=[models.Router])
+    assert traced.method == "export-leaves"
+    assert model.__dict__["forward"] is root_forward
+    assert model.blocks[1].__dict__["forward"] is block_forward
+    assert "forward" not in model.blocks[0].__dict__
