@@ -12,7 +12,7 @@ import torch
 from .errors import ConfigError, PartitionError
 from .passes.codegen import build_stage_module, generate_unit_programs
 from .passes.cost import CostReport, DeviceModel, estimate_costs
-from .passes.layers import assign_layers, find_unit_roots
+from .passes.layers import assign_layers, find_unit_roots, parallel_containers
 from .passes.leaves import resolve_leaf_modules
 from .passes.partition import (PipelineCuts, max_pipeline_stages, partition_pipeline,
                                simulate_round_robin)
@@ -60,10 +60,16 @@ def analyze(
     roots = find_unit_roots(model, resolve_leaf_modules(model, leaf_modules))
     traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots,
                    opaque_modules=leaf_modules)
+    hidden = frozenset(resolve_leaf_modules(model, leaf_modules)) | frozenset(traced.leaves)
     if traced.leaves:  # leaves found while tracing hide what is inside them
-        roots = find_unit_roots(model, traced.leaves)
-    # 2. layers: group nodes into layer units (repeated blocks, prologue, epilogue).
+        roots = find_unit_roots(model, hidden)
+    # 2. layers: group nodes into layer units (repeated blocks, prologue, epilogue);
+    # sibling blocks that do not feed one another (experts) are kept whole.
     layers = assign_layers(traced, roots)
+    parallel = parallel_containers(traced, layers)
+    if parallel:
+        roots = find_unit_roots(model, hidden | parallel)
+        layers = assign_layers(traced, roots)
     # 6a. codegen: one program per unit; cuts only ever fall between units.
     program = generate_unit_programs(traced, layers)
     # 3. cost: FLOPs and bytes per unit on fake tensors, liveness across every cut.

@@ -249,3 +249,40 @@ def test_constants_become_constant_slots():
     assert set(c.plan.program.constants) == {s.name for s in constants}
     offset = next(s for s in constants if s.fqn == "offset")
     assert torch.equal(c.plan.program.constants[offset.name], c.model.offset)
+
+
+class _CountingGated(torch.nn.Module):
+    """Data-dependent control flow (only the torch.fx fallback traces it) and a top-level
+    in-place buffer update that must reach the model like in eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([models.Gate(8) for _ in range(2)])
+        self.head = torch.nn.Linear(8, 1)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_fx_fallback_keeps_top_level_buffer_updates():
+    import copy
+
+    import reference
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    model = _CountingGated()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 1)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    for _ in range(2):
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=torch.nn.functional.mse_loss)
+        reference.eager_forward_backward(eager, (x,), {}, y, torch.nn.functional.mse_loss, 3)
+    assert pipe.plan.program.trace_method == "fx"
+    assert int(model.calls) == int(eager.calls) == 6
+    pipe.close()

@@ -208,6 +208,42 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
     return LayerAssignment(units=tuple(units), node_unit=node_unit)
 
 
+def parallel_containers(traced: TracedGraph, layers: LayerAssignment) -> frozenset[str]:
+    """Repeated containers whose children do not feed one another.
+
+    Layers of a network form a chain: block ``i + 1`` reads what block ``i`` made.  The
+    experts of a mixture-of-experts layer, or the branches of an inception module, all
+    read the same input instead; as units they would be no layers at all, so their
+    container is returned, to be kept whole (the layer holding it becomes the unit).
+    Only the block's own nodes are checked, not glue that joined its unit (the sum over
+    experts reads every expert's output).
+    """
+    graph = traced.graph_module.graph
+    produced: dict[int, set[str]] = {}
+    own_reads: dict[int, set[str]] = {}
+    blocks = {u.index: u.name for u in layers.units if u.kind == "block" and "#" not in u.name}
+    for node in graph.nodes:
+        unit = layers.node_unit.get(node.name)
+        if unit is None:
+            continue
+        produced.setdefault(unit, set()).add(node.name)
+        root = blocks.get(unit)
+        path = node.meta.get(MODULE_PATH, "")
+        if root is not None and (path == root or path.startswith(root + ".")):
+            own_reads.setdefault(unit, set()).update(
+                a.name for a in node.all_input_nodes if layers.node_unit.get(a.name) != unit)
+    siblings: dict[str, list[int]] = {}
+    for index, name in sorted(blocks.items()):
+        siblings.setdefault(name.rpartition(".")[0], []).append(index)
+    parallel = set()
+    for parent, units in siblings.items():
+        for a, b in zip(units, units[1:]):
+            if not own_reads.get(b, set()) & produced.get(a, set()):
+                parallel.add(parent)
+                break
+    return frozenset(parallel)
+
+
 def _merge_cross_unit_writes(
     runs: list[tuple[str | None, list[torch.fx.Node]]]
 ) -> list[tuple[str | None, list[torch.fx.Node]]]:

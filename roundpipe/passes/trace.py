@@ -505,6 +505,9 @@ class _LeafTracer(torch.fx.Tracer):
     def __init__(self, leaves: frozenset[str]) -> None:
         super().__init__()
         self._leaves = leaves
+        # Buffers become graph values too; otherwise ops on them (self.calls.add_(1))
+        # would run once, for real, while tracing, and never again.
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self._leaves or super().is_leaf_module(
@@ -587,6 +590,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     for node in graph.nodes:
         if node.op in ("call_function", "call_method") and MODULE_PATH not in node.meta:
             node.meta[MODULE_PATH] = _module_path(node)
+    _mark_torch_level_buffer_writes(graph, {s.name for s in state if s.kind == "buffer"})
 
     # Flat outputs from the returned structure.
     out_node = next(n for n in graph.nodes if n.op == "output")
@@ -619,6 +623,20 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         example_inputs=flat_inputs,
         method="fx",
     )
+
+
+def _mark_torch_level_buffer_writes(graph: torch.fx.Graph, buffers: set[str]) -> None:
+    """Record in ``meta[MUTATES]`` the buffers torch-level code writes in place outside
+    opaque modules (``self.calls.add_(1)`` in a top-level forward)."""
+    from .dynamo import alias_root as torch_alias_root, written_values  # avoids a cycle
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method") or \
+                node.target is call_module_functional:
+            continue
+        roots = {torch_alias_root(w).name for w in written_values(node)}
+        mutated = roots & buffers
+        if mutated:
+            node.meta[MUTATES] = tuple(sorted(mutated | set(node.meta.get(MUTATES, ()))))
 
 
 def _get_attr(root: torch.nn.Module, target: str) -> Any:
