@@ -8,7 +8,11 @@ training step (forward + backward over all microbatches, no optimizer):
 * eager PyTorch, no recompute;
 * eager PyTorch with ``torch.utils.checkpoint`` around every block (per-layer recompute,
   what roundpipe's backward stages do);
-* ``RoundPipe.forward_backward`` on one virtual CPU device.
+* ``RoundPipe.forward_backward`` on one virtual CPU device;
+* peers: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` on a single-process gloo
+  group (one stage, no recompute), and torchgpipe (``checkpoint="always"``) when it is
+  installed; torchgpipe needs the model rewritten as ``nn.Sequential`` and refuses tied
+  embeddings, so it runs an untied copy.
 
 Runs are interleaved (A, B, C, A, B, C, ...) so machine noise hits all three alike; the
 table reports medians and the spread (min-max) of the per-round ratios.
@@ -22,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +54,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--num-microbatch", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="skip torch.distributed.pipelining and torchgpipe")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -76,6 +83,9 @@ def main() -> None:
 
     runs = {"eager": lambda: run_eager(False), "eager + checkpoint": lambda: run_eager(True),
             "roundpipe": run_pipe}
+    notes: list[str] = []
+    if args.peers:
+        runs.update(peer_runs(model, x, y, M, notes))
     times: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():  # warm-up
         fn()
@@ -97,11 +107,67 @@ def main() -> None:
     print(tabulate([[name, f"{statistics.median(t) * 1e3:.1f}",
                      f"{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}"] for name, t in times.items()],
                    headers=["run", "median ms", "spread ms"]))
-    print(tabulate([["roundpipe / eager + checkpoint", ratio("roundpipe", "eager + checkpoint"),
-                     "<= 1.10"],
-                    ["roundpipe / eager", ratio("roundpipe", "eager"), "floor ~1.33"]],
-                   headers=["ratio", "median (spread)", "goal"]))
+    rows = [["roundpipe / eager + checkpoint", ratio("roundpipe", "eager + checkpoint"),
+             "<= 1.10"],
+            ["roundpipe / eager", ratio("roundpipe", "eager"), "floor ~1.33"]]
+    rows += [[f"{name} / eager", ratio(name, "eager"), "peer"] for name in runs
+             if name not in ("eager", "eager + checkpoint", "roundpipe")]
+    print(tabulate(rows, headers=["ratio", "median (spread)", "goal"]))
+    for note in notes:
+        print(f"note: {note}")
     pipe.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def peer_runs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, M: int,
+              notes: list[str]) -> dict[str, Callable[[], None]]:
+    """The peers that work here; a note for each one that does not."""
+    runs: dict[str, Callable[[], None]] = {}
+    try:
+        import torch.distributed as dist
+        from torch.distributed.pipelining import ScheduleGPipe, pipeline
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        ir = pipeline(copy.deepcopy(model), mb_args=(x.chunk(M)[0],))
+        schedule = ScheduleGPipe(ir.build_stage(0, device=torch.device("cpu")),
+                                 n_microbatches=M, loss_fn=loss_fn)
+        runs["torch pipelining GPipe"] = lambda: schedule.step(x, target=y)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+        notes.append(f"torch.distributed.pipelining: {type(e).__name__}: {e}")
+    try:
+        from torchgpipe import GPipe
+        untied = copy.deepcopy(model)
+        untied.head.weight = torch.nn.Parameter(untied.tok.weight.detach().clone())
+        layers = torch.nn.Sequential(_Prologue(untied), *untied.blocks, _Epilogue(untied))
+        gpipe = GPipe(layers, balance=[len(layers)], devices=["cpu"], chunks=M,
+                      checkpoint="always")
+        runs["torchgpipe"] = lambda: loss_fn(gpipe(x), y).backward()
+        notes.append("torchgpipe refuses tied embeddings ('duplicate parameters in distinct "
+                      "children'): it ran an untied copy rewritten as nn.Sequential")
+    except ImportError:
+        notes.append("torchgpipe is not installed (pip install torchgpipe)")
+    return runs
+
+
+class _Prologue(torch.nn.Module):
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.tok, self.pos = gpt.tok, gpt.pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+
+
+class _Epilogue(torch.nn.Module):
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(h))
 
 
 if __name__ == "__main__":
