@@ -10,7 +10,10 @@ Measures, in one run so ratios are comparable:
 3. a ~1.3B-parameter Llama-shaped bf16 model under a 24 GiB memory cap
    (``torch.cuda.set_per_process_memory_fraction``): eager training (expected to run out
    of memory) against roundpipe;
-4. a model that fits: tokens/s of eager PyTorch against roundpipe.
+4. a model that fits: tokens/s of eager PyTorch, of FSDP2 with ``CPUOffloadPolicy`` (one
+   GPU, the closest peer: parameters live on the CPU too) and of roundpipe;
+5. with ``--largest``: Llama shapes of about 3B and 7B parameters under the same 24 GiB
+   cap, each either training (tokens/s) or failing (how).
 
 Results print as tables and are written to ``bench/results/gpu-<device>.json``; copy the
 figures into ``docs/benchmarks.md`` with the device name and the date.
@@ -196,9 +199,45 @@ def eager_step(model: nn.Module, batch: int, seq: int, vocab: int, steps: int
     return {"tokens_per_s": batch * seq / seconds, "step_s": seconds}
 
 
+def fsdp2_offload_step(model: nn.Module, batch: int, seq: int, vocab: int, steps: int
+                       ) -> dict[str, float] | str:
+    """FSDP2 on one GPU with parameters, gradients and optimizer state offloaded to the
+    CPU (``CPUOffloadPolicy``), each decoder layer its own unit."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    except ImportError as e:
+        return f"unavailable ({e})"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29555")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    for layer in model.layers:
+        fully_shard(layer, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randint(0, vocab, (batch, seq), device="cuda")
+    y = torch.randint(0, vocab, (batch, seq), device="cuda")
+
+    def step() -> None:
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        seconds = median_time(step, repeat=steps)
+    except torch.OutOfMemoryError as e:
+        return f"out of memory ({str(e).splitlines()[0][:80]})"
+    finally:
+        torch.cuda.empty_cache()
+    return {"tokens_per_s": batch * seq / seconds, "step_s": seconds}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer steps")
+    parser.add_argument("--largest", action="store_true",
+                        help="also try ~3B and ~7B Llama shapes under the 24 GiB cap")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/gpu.py: skipped, no CUDA device is visible")
@@ -254,15 +293,31 @@ def main() -> int:
                      f"{rp['tokens_per_s']:,.0f} tok/s", f"{rp['busy_fraction']:.2f}"]],
                    headers=["model", "memory cap", "eager", "roundpipe", "GPU busy"]))
 
-    # A model that fits: roundpipe against eager.
-    small = Llama(vocab, 1024, 12, 8, 2816).to(torch.bfloat16)
-    e = eager_step(small, 8, 2048, vocab, steps)
-    r = roundpipe_step(small, 8, 2048, vocab, torch.cuda.device_count() + 1, steps)
-    results["fits"] = {"eager": e, "roundpipe": r}
-    if isinstance(e, dict):
-        print(tabulate([[f"{e['tokens_per_s']:,.0f}", f"{r['tokens_per_s']:,.0f}",
-                         f"{r['tokens_per_s'] / e['tokens_per_s']:.2f}"]],
-                       headers=["eager tok/s", "roundpipe tok/s", "ratio"]))
+    # A model that fits: roundpipe against eager and FSDP2 with CPU offload.
+    fits = lambda: Llama(vocab, 1024, 12, 8, 2816).to(torch.bfloat16)  # noqa: E731
+    e = eager_step(fits(), 8, 2048, vocab, steps)
+    f = fsdp2_offload_step(fits(), 8, 2048, vocab, steps)
+    r = roundpipe_step(fits(), 8, 2048, vocab, torch.cuda.device_count() + 1, steps)
+    results["fits"] = {"eager": e, "fsdp2_cpu_offload": f, "roundpipe": r}
+    cell = lambda v: v if isinstance(v, str) else f"{v['tokens_per_s']:,.0f}"  # noqa: E731
+    print(tabulate([[cell(e), cell(f), cell(r)]],
+                   headers=["eager tok/s", "FSDP2 + CPUOffload tok/s", "roundpipe tok/s"]))
+
+    if args.largest:
+        torch.cuda.set_per_process_memory_fraction(cap, 0)
+        largest = []
+        for label, shape in (("~3B", (3072, 26, 24, 8192)), ("~7B", (4096, 32, 32, 11008))):
+            model = Llama(vocab, *shape).to(torch.bfloat16)
+            n = sum(p.numel() for p in model.parameters())
+            try:
+                rp = roundpipe_step(model, 8, 2048, vocab, torch.cuda.device_count() + 1, 2)
+                largest.append([label, f"{n / 1e9:.2f} B", f"{rp['tokens_per_s']:,.0f} tok/s"])
+            except Exception as exc:  # noqa: BLE001 - the failure is the measurement
+                largest.append([label, f"{n / 1e9:.2f} B", f"failed: {type(exc).__name__}"])
+            del model
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        results["largest"] = largest
+        print(tabulate(largest, headers=["shape", "params", "roundpipe under 24 GiB"]))
 
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
