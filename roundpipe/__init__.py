@@ -7,6 +7,7 @@ stage's weights are streamed round-robin while microbatches flow through the sta
 from __future__ import annotations
 
 from .api import RoundPipe, compile
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import RoundPipeRunConfig
 from .grad_scaler import GradScaler
 from .errors import (ConfigError, InputError, LossError, ModelError, OutOfMemoryError,
@@ -27,6 +28,9 @@ __all__ = [
     "RoundPipeRunConfig",
     "StagePlan",
     "GradScaler",
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointError",
     "RoundPipeError",
     "ConfigError",
     "UnknownConfigFieldError",

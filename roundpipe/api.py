@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -9,7 +10,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -17,7 +18,8 @@ import torch.utils._pytree as pytree
 from .backprop import attach_backward
 from .compiler import Analysis, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
-from .errors import ConfigError, InputError, ModelError, RoundPipeError
+from .errors import (ConfigError, InputError, ModelError, RoundPipeError, StageError,
+                     TraceError)
 from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
 from .plan import StagePlan
@@ -25,8 +27,8 @@ from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.host_state import HostState, ModelState
-from .runtime.microbatch import (batch_size_of, check_on_cpu, merge_outputs, split_inputs,
-                                 split_label)
+from .runtime.microbatch import (batch_size_of, check_on_cpu, input_path, merge_outputs,
+                                 split_inputs, split_label)
 from .runtime.optimizer import OptimizerWorker
 from .runtime.rng import RngKey
 from .runtime.signature import flatten_inputs, leading_size, matches
@@ -142,6 +144,7 @@ class RoundPipe:
         self._stats: RunStats | None = None
         self._lock = threading.RLock()
         self._closed = False
+        self._nonfinite_loss_ok = False  # a GradScaler skips steps with inf/NaN instead
         self._step_hooks: list[Callable[[], None]] = []  # run as a step is enqueued
         self._sync_hooks: list[Callable[[], None]] = []  # run after synchronize()
 
@@ -317,7 +320,7 @@ class RoundPipe:
         if not isinstance(input_args, tuple):
             input_args = (input_args,)
         input_kwargs = dict(input_kwargs or {})
-        with self._lock:
+        with self._lock, self._diagnose_dtypes(input_args, input_kwargs):
             cfg = self._config(run_config)
             self._optimizer.raise_if_failed()
             check_on_cpu(label, "label")
@@ -327,19 +330,36 @@ class RoundPipe:
             result = entry.executor.train(
                 flat, labels, loss_fn, grain=cfg.recompute_grain, want_outputs=return_outputs,
                 keys=self._keys(cfg), fence_version=self._state.fences.target,
-                autocast=self._autocast())
+                autocast=self._autocast(), nonfinite_loss_ok=self._nonfinite_loss_ok)
             self._finish(entry, result)
             loss = _sum_losses(result.losses)
             if return_outputs:
                 return loss, self._merge(entry, result, mbs, cfg)
             return loss
 
+    @contextlib.contextmanager
+    def _diagnose_dtypes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+        """Turn a failure caused by inputs of another dtype than the model into a clear
+        InputError.  Only on failure: many models cast their inputs themselves."""
+        try:
+            yield
+        except (StageError, TraceError) as e:
+            hint = _dtype_mismatch(self.model, args, kwargs)
+            if hint is None or not _mentions_dtype(e):
+                raise
+            raise InputError(f"{hint}; the call failed with: {_first_line(e)}") from e
+
     def _finish(self, entry: _Compiled, result: RunResult) -> None:
         # Gradients may only land once the optimizer has finished reading them.
         self._optimizer.wait()
-        entry.host.commit(result.param_grads, result.buffers)
-        self._stats = result.stats
-        self._calls += 1
+
+        def commit() -> None:
+            entry.host.commit(result.param_grads, result.buffers)
+            self._stats = result.stats
+            self._calls += 1
+
+        # On the optimizer thread: an interrupt of the caller cannot tear the commit.
+        self._optimizer.run(commit)
 
     def _merge(self, entry: _Compiled, result: RunResult, mbs: list, cfg: ResolvedRunConfig
                ) -> Any:
@@ -356,7 +376,7 @@ class RoundPipe:
         ``backward()`` on the result runs a pipelined backward with recompute and fills
         the same gradients as :meth:`forward_backward`.
         """
-        with self._lock:
+        with self._lock, self._diagnose_dtypes(tuple(args), dict(kwargs)):
             cfg = self._config(run_config)
             self._optimizer.raise_if_failed()
             entry, flat, mbs = self._prepare(tuple(args), dict(kwargs), cfg)
@@ -411,26 +431,53 @@ class RoundPipe:
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The model's state dict, with parameters taken from the masters where they
-        exist (so fp32 masters of a bf16 model are saved exactly).  Waits for a pending
-        step.  Loadable into the plain model too (values are cast on load)."""
-        self.synchronize()
+        exist (fp32 masters of a bf16 model are saved exactly); loadable into the plain
+        model too (values are cast on load).
+
+        Waits for a pending step but does not publish it, so taking a checkpoint does not
+        change the run.  What an exact resume also needs travels in the state dict's
+        ``_metadata["roundpipe"]`` (kept by ``torch.save`` and ignored by plain models):
+        the call counter and seed of the dropout streams, and, while the asynchronous
+        schedule has the weights one step behind the masters, those weights.
+        """
+        self._optimizer.wait()
         sd = self.model.state_dict()
+        meta: dict[str, Any] = {"version": 1, "calls": self._calls, "seed": self.seed}
         if self._state.has_masters:
             masters = self._state.masters()
+            canonical = {id(p): n for n, p in self.model.named_parameters()}
+            if self._state.dirty:
+                meta["published"] = {n: self.model.get_parameter(n).detach().clone()
+                                     for n in masters}
             for name, param in self.model.named_parameters(remove_duplicate=False):
-                canonical = next((n for n, p in self.model.named_parameters() if p is param),
-                                 name)
-                if canonical in masters:
-                    sd[name] = masters[canonical].detach()
+                master = masters.get(canonical[id(param)])
+                if master is not None:
+                    sd[name] = master.detach()
+        metadata = getattr(sd, "_metadata", None)
+        if metadata is None:
+            metadata = sd._metadata = {}  # type: ignore[attr-defined]
+        metadata["roundpipe"] = meta
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        """Load a state dict from :meth:`state_dict` (or a plain model's) bit-exactly."""
-        self.synchronize()
+        """Load a state dict from :meth:`state_dict` (or a plain model's) bit-exactly,
+        the asynchronous schedule included (see :meth:`state_dict`)."""
+        self._optimizer.wait()
         result = self.model.load_state_dict(state_dict, strict=strict)
         self._state.load_masters({n: state_dict[n] for n, _ in self.model.named_parameters()
                                   if n in state_dict})
-        self._state.publish(self._state.fences.schedule())
+        meta = (getattr(state_dict, "_metadata", None) or {}).get("roundpipe") or {}
+        self._calls = int(meta.get("calls", self._calls))
+        self.seed = int(meta.get("seed", self.seed))
+        published = meta.get("published")
+        if published and self._state.has_masters:
+            # The weights were one step behind the masters: restore exactly that.
+            with torch.no_grad():
+                for name, value in published.items():
+                    self.model.get_parameter(name).copy_(value)
+            self._state.mark_dirty()
+        else:
+            self._state.publish(self._state.fences.schedule())
         return result
 
     def stats(self) -> RunStats:
@@ -513,6 +560,37 @@ def _disable_cache(model: torch.nn.Module) -> None:
         log.info("roundpipe: set config.use_cache = False in %d config(s) of %s for training "
                  "(set it back to True to generate with a cache)", len(configs),
                  type(model).__name__)
+
+
+def _dtype_mismatch(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> str | None:
+    """Describe floating inputs whose dtype no floating parameter has, if any."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if not dtypes:
+        return None
+    wanted = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and \
+                leaf.dtype not in dtypes:
+            got = str(leaf.dtype).replace("torch.", "")
+            return (f"{input_path(path)} is {got} but the model's parameters are "
+                    f"{wanted}: cast the input (x.to(torch.{wanted.split(', ')[0]})) or run "
+                    f"the call under torch.autocast")
+    return None
+
+
+def _mentions_dtype(e: BaseException) -> bool:
+    while e is not None:
+        text = str(e).lower()
+        if "dtype" in text or "scalar type" in text:
+            return True
+        e = e.__cause__  # type: ignore[assignment]
+    return False
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _sum_losses(losses: list[torch.Tensor | None]) -> torch.Tensor:

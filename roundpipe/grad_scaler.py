@@ -68,6 +68,7 @@ class GradScaler:
         self._queued: collections.deque[float] = collections.deque()
         self._lock = threading.Lock()
         self.skipped_steps = 0
+        pipe._nonfinite_loss_ok = enabled  # an inf/NaN loss skips the step, not an error
         pipe._step_hooks.append(self._on_step_enqueued)
         pipe._sync_hooks.append(self._on_synchronized)
 
@@ -144,11 +145,18 @@ class GradScaler:
                 self._visible = self._latest
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self._latest, "good_steps": self._good_steps,
-                "skipped_steps": self.skipped_steps}
+        """Everything an exact resume needs: the newest scale, the one calls use now
+        (they differ between a step and the next one's enqueue), and the counters.
+        Take it after ``pipe.synchronize()`` or ``pipe.state_dict()``, so no step is
+        queued."""
+        with self._lock:
+            return {"scale": self._latest, "visible_scale": self._visible,
+                    "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:
-            self._latest = self._visible = float(state["scale"])
+            self._latest = float(state["scale"])
+            self._visible = float(state.get("visible_scale", state["scale"]))
             self._good_steps = int(state["good_steps"])
             self.skipped_steps = int(state.get("skipped_steps", 0))
+            self._queued.clear()

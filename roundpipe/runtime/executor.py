@@ -152,6 +152,7 @@ class _Call:
     load_requested: dict[int, float] = field(default_factory=dict)
     handoff: dict[tuple[int, str], Any] = field(default_factory=dict)  # (mb, value)
     jobs: list[Job] = field(default_factory=list)
+    nonfinite_loss_ok: bool = False
     t0: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -179,13 +180,17 @@ class Executor:
     # --- public entry points -------------------------------------------------------------
     def train(self, inputs: list[dict[str, Any]], labels: list[Any], loss_fn: Callable,
               *, grain: str, want_outputs: bool, keys: list[RngKey | None],
-              fence_version: int, autocast: tuple[str, torch.dtype] | None = None
-              ) -> RunResult:
-        """Forward stages, fused tail (loss + backward), backward stages."""
+              fence_version: int, autocast: tuple[str, torch.dtype] | None = None,
+              nonfinite_loss_ok: bool = False) -> RunResult:
+        """Forward stages, fused tail (loss + backward), backward stages.
+
+        A NaN or infinite loss raises :class:`LossError` (nothing is committed) unless
+        ``nonfinite_loss_ok`` (a GradScaler skips the step instead)."""
         stages = self.plan.stages
         jobs = [Job(i, i, s.kind, *s.units) for i, s in enumerate(stages)]
         call = self._new_call("train", inputs, labels, loss_fn, grain, want_outputs, keys,
                               fence_version, autocast=autocast)
+        call.nonfinite_loss_ok = nonfinite_loss_ok
         self._wire(jobs, call, stash_for_backward=False)
         return self._run(jobs, call)
 
@@ -817,7 +822,13 @@ class _JobRunner:
         for unit in reversed(self.units):
             self._backward_unit(unit, mb, values, acc, leaves)
         self._flush_grads(mb, acc)
-        call.losses[mb] = self.device.download(loss.detach(), "losses")
+        host_loss = self.device.download(loss.detach(), "losses")
+        if not call.nonfinite_loss_ok and not bool(torch.isfinite(host_loss).all()):
+            raise LossError(
+                f"loss_fn returned {host_loss.item()} for microbatch {mb}; nothing was "
+                "committed. Check the inputs and the learning rate, or, for fp16 training, "
+                "use roundpipe.GradScaler, which skips such steps and lowers the scale")
+        call.losses[mb] = host_loss
         self._publish(mb, values)
         self._time_range(self.call.unit_bwd_s, t)
 

@@ -130,6 +130,11 @@ class ModelState:
     def mark_dirty(self) -> None:
         self._dirty = True
 
+    @property
+    def dirty(self) -> bool:
+        """Whether the masters hold a step the model weights do not have yet."""
+        return self._dirty
+
     def publish(self, version: int) -> None:
         """Copy masters into the model weights group by group, opening their fences."""
         with self._lock:

@@ -27,11 +27,21 @@ def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     )
 
 
+def input_path(path: tuple[Any, ...]) -> str:
+    """Name a leaf of ``(args, kwargs)`` as the user wrote it: ``input_args[0]``,
+    ``input_kwargs['attention_mask']``."""
+    if not path:
+        return "input"
+    head = "input_args" if getattr(path[0], "idx", None) == 0 else "input_kwargs"
+    return head + pytree.keystr(tuple(path[1:]))
+
+
 def check_on_cpu(tree: Any, what: str) -> None:
     for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
+            name = input_path(path) if what == "input" else what + pytree.keystr(path)
             raise InputError(
-                f"{what}{pytree.keystr(path)} is on {leaf.device}, but roundpipe keeps all "
+                f"{name} is on {leaf.device}, but roundpipe keeps all "
                 "model state and inputs in host memory and streams them to devices itself; "
                 "pass CPU tensors (drop the .to(device) / .cuda() call)"
             )

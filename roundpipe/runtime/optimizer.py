@@ -67,6 +67,8 @@ class OptimizerWorker:
         try:
             pending.result()
         except BaseException as e:  # noqa: BLE001 - re-raised as StepError
+            if not (pending.done() and pending.exception() is e):
+                raise  # the caller was interrupted while waiting; the step goes on
             self._pending = None
             raise StepError(
                 f"step_fn raised {type(e).__name__}: {e}. The model weights are unchanged "
@@ -76,6 +78,14 @@ class OptimizerWorker:
                    "masters)") + "; fix step_fn and call step() again"
             ) from e
         self._pending = None
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the optimizer thread, after any pending step, and wait for it.
+
+        Used for the gradient commit: an interrupt of the waiting caller cannot stop it
+        halfway, so gradients are committed whole or not at all.
+        """
+        return self._executor.submit(fn).result()
 
     def raise_if_failed(self) -> None:
         pending = self._pending
