@@ -13,6 +13,8 @@ from .grad_scaler import GradScaler
 from .errors import (ConfigError, InputError, LossError, ModelError, OutOfMemoryError,
                      PartitionError, RoundPipeError, StageError, StepError, TraceError,
                      UnknownConfigFieldError)
+from .errors import DataParallelError, ReplicaError
+from .runtime.data_parallel import DataParallelConfig
 from .plan import StagePlan
 from . import backend
 
@@ -42,4 +44,7 @@ __all__ = [
     "StageError",
     "StepError",
     "OutOfMemoryError",
+    "DataParallelConfig",
+    "DataParallelError",
+    "ReplicaError",
 ]

@@ -29,6 +29,7 @@ from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.host_state import HostState, ModelState
 from .runtime.microbatch import (batch_size_of, check_on_cpu, input_path, merge_outputs,
                                  split_inputs, split_label)
+from .runtime.data_parallel import DataParallel, DataParallelConfig, DataParallelInfo
 from .runtime.optimizer import OptimizerWorker
 from .runtime.rng import RngKey
 from .runtime.signature import flatten_inputs, leading_size, matches
@@ -82,6 +83,12 @@ class RoundPipe:
             tracing keeps opaque: they run as plain Python, with their state still streamed.
             Use it for code ``torch.export`` cannot trace; roundpipe also does this by
             itself for the class of a module that export fails inside.
+        data_parallel: train as one replica of several processes (one per machine,
+            ``torchrun``), each given its shard of the batch; gradients are all-reduced
+            across them before they are committed (``docs/scaling.md``).  ``None``: on
+            when a ``torch.distributed`` process group of more than one rank is
+            initialised; ``True`` or a :class:`~roundpipe.DataParallelConfig`: on (the
+            group is initialised from ``torchrun``'s variables if needed); ``False``: off.
 
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.
@@ -104,6 +111,7 @@ class RoundPipe:
         seed: int | None = None,
         device_model: DeviceModel | None = None,
         leaf_modules: Sequence[str | type] | None = None,
+        data_parallel: bool | DataParallelConfig | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ModelError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
@@ -135,6 +143,9 @@ class RoundPipe:
         self.pin_memory = pin_memory
         self.num_stages = num_stages
         self.seed = torch.initial_seed() if seed is None else int(seed)
+        self._dp = DataParallel.create(data_parallel)
+        if self._dp is not None:  # replicas start from rank 0's weights and dropout seed
+            self.seed = self._dp.broadcast_initial_state(model, self.seed)
         self.device_model = device_model or DeviceModel.for_device(self.devices[0].torch_device)
         self._state = ModelState(model, optim_dtype)
         self._optimizer = OptimizerWorker(self._state)
@@ -286,7 +297,11 @@ class RoundPipe:
     def _keys(self, cfg: ResolvedRunConfig) -> list[RngKey | None]:
         if not cfg.preserve_rng_state:
             return [None] * cfg.num_microbatch
-        return [RngKey(self.seed, self._calls, mb) for mb in range(cfg.num_microbatch)]
+        # A replica's microbatches are numbered after those of the replicas before it, so
+        # its dropout masks are those one process would draw on the whole global batch.
+        first = self._dp.rank * cfg.num_microbatch if self._dp is not None else 0
+        return [RngKey(self.seed, self._calls, first + mb)
+                for mb in range(cfg.num_microbatch)]
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  cfg: ResolvedRunConfig) -> tuple[_Compiled, list[dict[str, Any]],
@@ -314,25 +329,38 @@ class RoundPipe:
         ``loss_fn(output_mb, label_mb)`` runs on the device right after the last stage.
         Returns the sum of the microbatch losses on the CPU (and the merged outputs when
         ``return_outputs``).
+
+        Data parallel: the inputs are this replica's shard; the returned loss is the one
+        the committed (all-reduced) gradient belongs to, unless
+        ``DataParallelConfig.global_loss=False``; outputs are this replica's.
         """
         if loss_fn is None or not callable(loss_fn):
             raise ConfigError("forward_backward needs a callable loss_fn(output, label)")
         if not isinstance(input_args, tuple):
             input_args = (input_args,)
         input_kwargs = dict(input_kwargs or {})
-        with self._lock, self._diagnose_dtypes(input_args, input_kwargs):
+        with self._lock, self._diagnose_dtypes(input_args, input_kwargs), \
+                self._replica_call() as dp_call:
             cfg = self._config(run_config)
             self._optimizer.raise_if_failed()
             check_on_cpu(label, "label")
             entry, flat, mbs = self._prepare(input_args, input_kwargs, cfg)
             batch = batch_size_of(input_args, input_kwargs) if cfg.split_input is None else -1
             labels = split_label(label, cfg.num_microbatch, batch, cfg.split_label)
+            on_grads = dp_call.bind(entry.host, entry.plan.program.units) if dp_call else None
             result = entry.executor.train(
                 flat, labels, loss_fn, grain=cfg.recompute_grain, want_outputs=return_outputs,
                 keys=self._keys(cfg), fence_version=self._state.fences.target,
-                autocast=self._autocast(), nonfinite_loss_ok=self._nonfinite_loss_ok)
-            self._finish(entry, result)
+                autocast=self._autocast(), nonfinite_loss_ok=self._nonfinite_loss_ok,
+                on_grads=on_grads)
             loss = _sum_losses(result.losses)
+            if dp_call is not None:
+                # A failed step here must fail the call on every replica, before any commits.
+                self._optimizer.wait()
+                loss = dp_call.complete(result, loss)
+            self._finish(entry, result)
+            if dp_call is not None:
+                self._sync_replica_buffers(entry)
             if return_outputs:
                 return loss, self._merge(entry, result, mbs, cfg)
             return loss
@@ -348,6 +376,32 @@ class RoundPipe:
             if hint is None or not _mentions_dtype(e):
                 raise
             raise InputError(f"{hint}; the call failed with: {_first_line(e)}") from e
+
+    @contextlib.contextmanager
+    def _replica_call(self) -> Iterator[Any]:
+        """The data-parallel side of a call (None without data parallelism).  A failure
+        anywhere in the call is announced to the other replicas, so none of them commits
+        and none waits for this one (a no-op once the replicas have agreed)."""
+        if self._dp is None:
+            yield None
+            return
+        call = self._dp.begin()
+        try:
+            yield call
+        except BaseException as e:
+            call.fail(e)
+            raise
+
+    def _sync_replica_buffers(self, entry: _Compiled) -> None:
+        program = entry.plan.program
+        self._dp.sync_buffers(entry.host, program.units,  # type: ignore[union-attr]
+                              program.buffer_updates)
+
+    @property
+    def data_parallel(self) -> DataParallelInfo | None:
+        """This replica's rank, the number of replicas and the settings; None when the
+        pipe is not data-parallel."""
+        return self._dp.info if self._dp is not None else None
 
     def _finish(self, entry: _Compiled, result: RunResult) -> None:
         # Gradients may only land once the optimizer has finished reading them.

@@ -75,13 +75,21 @@ class _PipelineBackward(torch.autograd.Function):
                 store = output_grads[mb]
                 store[ref.value] = store[ref.value] + piece if ref.value in store else piece
         pipe = context.pipe
-        with pipe._lock:
-            result = context.entry.executor.backward(
+        with pipe._lock, pipe._replica_call() as dp_call:
+            entry = context.entry
+            on_grads = dp_call.bind(entry.host, program.units) if dp_call else None
+            result = entry.executor.backward(
                 context.stash, output_grads, grain=context.cfg.recompute_grain,
-                keys=context.keys, fence_version=context.version, autocast=context.autocast)
+                keys=context.keys, fence_version=context.version, autocast=context.autocast,
+                on_grads=on_grads)
             pipe._optimizer.wait()
-            context.entry.host.commit(result.param_grads, {})
+            if dp_call is not None:  # all-reduced across replicas before anything commits
+                dp_call.complete(result, None)
+            # On the optimizer thread, like forward_backward's: an interrupt cannot tear it.
+            pipe._optimizer.run(lambda: entry.host.commit(result.param_grads, {}))
             pipe._stats = result.stats
+            if dp_call is not None:
+                pipe._sync_replica_buffers(entry)
         context.stash = None  # a second backward through the same graph is an error
         input_grads: list[torch.Tensor | None] = []
         for name, was_split in context.grad_inputs:

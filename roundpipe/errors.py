@@ -66,6 +66,28 @@ class OutOfMemoryError(RoundPipeError, MemoryError):
     """A stage does not fit in a device's memory."""
 
 
+class DataParallelError(RoundPipeError, RuntimeError):
+    """Replicas could not combine their gradients (a collective failed or timed out, or
+    the replicas do not run the same program); the group is unusable afterwards, except
+    after its subclass :class:`ReplicaError`."""
+
+
+class ReplicaError(DataParallelError):
+    """Another replica failed during the same call.  No replica committed the call, so
+    they all still agree and the group stays usable.
+
+    Attributes:
+        ranks: the replicas that failed.
+        messages: their errors, as text.
+    """
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = (),
+                 messages: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.messages = messages
+
+
 __all__ = [
     "RoundPipeError",
     "ConfigError",
@@ -78,4 +100,6 @@ __all__ = [
     "StageError",
     "StepError",
     "OutOfMemoryError",
+    "DataParallelError",
+    "ReplicaError",
 ]

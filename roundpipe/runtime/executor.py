@@ -83,6 +83,8 @@ class RunStats:
     # Parameter-gradient bytes downloaded, per parameter name (summed over jobs); frozen
     # parameters never appear (``devices[i].downloaded["grads"]`` also counts activations').
     grad_bytes: dict[str, int] = field(default_factory=dict)
+    # How the gradients were combined across replicas (a DataParallelStats), or None.
+    data_parallel: Any = None
 
     @property
     def grad_bytes_downloaded(self) -> int:
@@ -153,6 +155,11 @@ class _Call:
     handoff: dict[tuple[int, str], Any] = field(default_factory=dict)  # (mb, value)
     jobs: list[Job] = field(default_factory=list)
     nonfinite_loss_ok: bool = False
+    # on_grads(start, stop, [(slot, unit, host tensor)]), on the device thread: units
+    # [start, stop) have final parameter gradients, those listed staged on the host.
+    # Called per unit once the last microbatch's backward passed it, and when a fused/bwd
+    # job finishes (covering all its units; frozen or skipped units have no gradients).
+    on_grads: Callable[[int, int, list[tuple[str, int, torch.Tensor]]], None] | None = None
     t0: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -181,16 +188,19 @@ class Executor:
     def train(self, inputs: list[dict[str, Any]], labels: list[Any], loss_fn: Callable,
               *, grain: str, want_outputs: bool, keys: list[RngKey | None],
               fence_version: int, autocast: tuple[str, torch.dtype] | None = None,
-              nonfinite_loss_ok: bool = False) -> RunResult:
+              nonfinite_loss_ok: bool = False,
+              on_grads: Callable[..., None] | None = None) -> RunResult:
         """Forward stages, fused tail (loss + backward), backward stages.
 
         A NaN or infinite loss raises :class:`LossError` (nothing is committed) unless
-        ``nonfinite_loss_ok`` (a GradScaler skips the step instead)."""
+        ``nonfinite_loss_ok`` (a GradScaler skips the step instead).  ``on_grads`` sees
+        each unit's staged parameter gradients as soon as they are final (see ``_Call``)."""
         stages = self.plan.stages
         jobs = [Job(i, i, s.kind, *s.units) for i, s in enumerate(stages)]
         call = self._new_call("train", inputs, labels, loss_fn, grain, want_outputs, keys,
                               fence_version, autocast=autocast)
         call.nonfinite_loss_ok = nonfinite_loss_ok
+        call.on_grads = on_grads
         self._wire(jobs, call, stash_for_backward=False)
         return self._run(jobs, call)
 
@@ -214,7 +224,8 @@ class Executor:
 
     def backward(self, stash: list[dict[str, Any]], output_grads: list[dict[str, Any]], *,
                  grain: str, keys: list[RngKey | None], fence_version: int,
-                 autocast: tuple[str, torch.dtype] | None = None) -> RunResult:
+                 autocast: tuple[str, torch.dtype] | None = None,
+                 on_grads: Callable[..., None] | None = None) -> RunResult:
         """Backward of a recorded :meth:`forward`: the tail recomputes like a backward
         stage, then the backward stages run."""
         tail = self.plan.fused_stage
@@ -224,6 +235,7 @@ class Executor:
         call = self._new_call("backward", [dict(s) for s in stash], [None] * len(stash), None,
                               grain, False, keys, fence_version, record=True,
                               autocast=autocast)
+        call.on_grads = on_grads
         for mb, grads in enumerate(output_grads):
             call.grads[mb].update(grads)
         self._wire(jobs, call, stash_for_backward=False)
@@ -521,6 +533,7 @@ class _JobRunner:
         self.weights: Transfer | None = None
         self.held: dict[int, list[Transfer]] = {}      # uploads per microbatch
         self.prefetched: dict[int, dict[str, Transfer]] = {}
+        self.handed: set[tuple[int, str]] = set()  # (unit, slot) gradients already staged
         self.skip = job.skip
 
     # --- state -------------------------------------------------------------------------
@@ -572,15 +585,34 @@ class _JobRunner:
         for t in self.held.pop(mb, []):
             t.release()
 
+    def _stage_grads(self, unit: int | None = None) -> list[tuple[str, int, torch.Tensor]]:
+        """Download the parameter gradients not staged yet (only ``unit``'s, if given)."""
+        pool = self.ex.grad_buffers
+        staged: list[tuple[str, int, torch.Tensor]] = []
+        for (uid, slot), leaf in self.param_leaves.items():
+            if leaf.grad is None or (uid, slot) in self.handed or unit not in (None, uid):
+                continue
+            host = self.device.download(leaf.grad, "grads", out=pool.get((uid, slot)))
+            pool[(uid, slot)] = host
+            self.handed.add((uid, slot))
+            staged.append((slot, uid, host))
+        with self.call.lock:
+            for slot, uid, g in staged:
+                self.call.param_grads.setdefault(slot, []).append((uid, g))
+        return staged
+
+    def _hand_over(self, unit: UnitProgram, mb: int) -> None:
+        """Once the last microbatch's backward has passed ``unit``, its parameter
+        gradients are final: with an ``on_grads`` hook (data parallel) stage them now, so
+        their all-reduce starts while backward continues on earlier units."""
+        call = self.call
+        if call.on_grads is not None and mb == call.num_mb - 1:
+            call.on_grads(unit.index, unit.index + 1, self._stage_grads(unit.index))
+
     def finish(self) -> None:
         """After the last microbatch: download gradients and updated buffers."""
-        call, pool = self.call, self.ex.grad_buffers
-        staged_grads: list[tuple[str, int, torch.Tensor]] = []
-        for (uid, slot), leaf in self.param_leaves.items():
-            if leaf.grad is not None:
-                host = self.device.download(leaf.grad, "grads", out=pool.get((uid, slot)))
-                pool[(uid, slot)] = host
-                staged_grads.append((slot, uid, host))
+        call = self.call
+        staged_grads = self._stage_grads()
         staged_buffers: dict[str, torch.Tensor] = {}
         if self.job.kind in ("fwd", "fused") and call.mode != "backward":
             mutated = {s for u in self.units for s in u.mutated_state}
@@ -589,9 +621,9 @@ class _JobRunner:
             for slot in mutated:
                 staged_buffers[slot] = self.device.download(self.state[slot], "buffers")
         with call.lock:
-            for slot, uid, g in staged_grads:
-                call.param_grads.setdefault(slot, []).append((uid, g))
             call.buffers.update(staged_buffers)
+        if call.on_grads is not None and self.job.kind in ("fused", "bwd"):
+            call.on_grads(self.job.start, self.job.stop, staged_grads)
 
     # --- values --------------------------------------------------------------------------
     def _upload(self, mb: int, value: torch.Tensor, category: str) -> torch.Tensor:
@@ -738,6 +770,7 @@ class _JobRunner:
             leaf = leaves.pop((unit.index, v), None)
             if leaf is not None and leaf.grad is not None:
                 self._add_grad(mb, v, leaf.grad, acc)
+        self._hand_over(unit, mb)
 
     def _host_grad(self, mb: int, name: str) -> Any:
         g = self.call.grads[mb].get(name)
