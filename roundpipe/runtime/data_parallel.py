@@ -654,7 +654,8 @@ class _DataParallelCall:
         :class:`ReplicaError` if another replica failed (nothing is to be committed)."""
         loss = 0.0 if local_loss is None else float(local_loss)
         status = self._conclude(failed=False, loss=loss, error=None)
-        assert self.reducer is not None and self.layout is not None
+        if self.reducer is None or self.layout is None:
+            raise RuntimeError("internal: the replica call was completed before bind()")
         dp, w = self.dp, self.dp.world_size
         grads: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for bucket, flat, _work, _ready, _issued in self.reducer.issued:
@@ -775,7 +776,8 @@ class _DataParallelCall:
 
     def _stats(self) -> DataParallelStats:
         reducer = self.reducer
-        assert reducer is not None
+        if reducer is None:
+            raise RuntimeError("internal: no reducer; bind() was not called")
         t0 = self.t0
         records = tuple(
             BucketRecord(index=b.index, nbytes=b.numel * b.dtype.itemsize,
