@@ -93,8 +93,10 @@ class RoundPipe:
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.
     Attributes roundpipe does not define are looked up on the model (``pipe.config``,
-    ``pipe.save_pretrained(...)``); the model's methods first wait for a pending
-    optimizer step, so they see the current weights.
+    ``pipe.save_pretrained(...)``).  The model's methods first synchronize, so they see
+    every step taken (and the next call uses those weights too, as after
+    :meth:`synchronize`); ``train``, ``eval`` and ``requires_grad_`` only wait for a
+    pending step.
     """
 
     def __init__(
@@ -155,8 +157,9 @@ class RoundPipe:
         self._stats: RunStats | None = None
         self._lock = threading.RLock()
         self._closed = False
+        self._caps: dict[float, int | None] = {}  # default per-stage cap by memory_fraction
         self._nonfinite_loss_ok = False  # a GradScaler skips steps with inf/NaN instead
-        self._step_hooks: list[Callable[[], None]] = []  # run as a step is enqueued
+        self._step_hooks: list[Callable[[int], None]] = []  # step(version) being enqueued
         self._sync_hooks: list[Callable[[], None]] = []  # run after synchronize()
 
     # --- compilation ---------------------------------------------------------------------
@@ -236,13 +239,17 @@ class RoundPipe:
         return entry
 
     def _memory_cap(self, cfg: ResolvedRunConfig) -> int | None:
-        """Per-stage cap: explicit, else half the fraction of the smallest free memory."""
+        """Per-stage cap: explicit, else half the fraction of the smallest free memory,
+        read once per fraction (free memory drifts as allocators cache; a cap that moved
+        every call would re-partition every call)."""
         if self.memory_cap is not None:
             return self.memory_cap
-        free = [d.free_bytes() for d in self.devices]
-        if any(f is None for f in free):
-            return None
-        return int(min(free) * cfg.memory_fraction / 2)  # type: ignore[type-var]
+        if cfg.memory_fraction not in self._caps:
+            free = [d.free_bytes() for d in self.devices]
+            self._caps[cfg.memory_fraction] = (
+                None if any(f is None for f in free)
+                else int(min(free) * cfg.memory_fraction / 2))  # type: ignore[type-var]
+        return self._caps[cfg.memory_fraction]
 
     def _use_cap(self, entry: _Compiled, cap: int | None, cfg: ResolvedRunConfig) -> None:
         if entry.plan.memory_cap == cap:
@@ -273,14 +280,23 @@ class RoundPipe:
                    self._stats.unit_bwd_s.items()}
             report = dataclasses.replace(report,
                                          units=with_measured_times(report.units, fwd, bwd))
+        unknown = set(options) - {"memory_cap", "num_stages"}
+        if unknown:
+            raise ConfigError(f"replan() takes memory_cap and num_stages, not "
+                              f"{', '.join(sorted(unknown))}")
+        # The options stay in force for later calls and later compiles.
+        if "memory_cap" in options:
+            self.memory_cap = parse_bytes(options["memory_cap"])
+        if "num_stages" in options:
+            self.num_stages = options["num_stages"]
         new = make_plan(plan.program, plan.units, report, num_devices=len(self.devices),
                         num_microbatch=plan.num_microbatch, device_model=self.device_model,
-                        memory_cap=options.get("memory_cap", plan.memory_cap),
-                        num_stages=options.get("num_stages", self.num_stages),
-                        notes=plan.notes)
+                        memory_cap=self.memory_cap if "memory_cap" in options
+                        else plan.memory_cap,
+                        num_stages=self.num_stages, notes=plan.notes)
         entry.plan = new
         entry.executor = Executor(new, entry.host, self.devices)
-        entry.by_cap[new.memory_cap] = (entry.plan, entry.executor)
+        entry.by_cap = {new.memory_cap: (entry.plan, entry.executor)}
         return new
 
     # --- calls ---------------------------------------------------------------------------
@@ -303,11 +319,14 @@ class RoundPipe:
         return [RngKey(self.seed, self._calls, first + mb)
                 for mb in range(cfg.num_microbatch)]
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RoundPipeError("this RoundPipe was closed; create a new one")
+
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  cfg: ResolvedRunConfig) -> tuple[_Compiled, list[dict[str, Any]],
                                                   list[tuple[tuple, dict]]]:
-        if self._closed:
-            raise RoundPipeError("this RoundPipe was closed; create a new one")
+        self._check_open()
         check_on_cpu((args, kwargs), "input")
         mbs = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
         entry = self._compiled_for(mbs, args, kwargs, cfg)
@@ -403,14 +422,17 @@ class RoundPipe:
         pipe is not data-parallel."""
         return self._dp.info if self._dp is not None else None
 
-    def _finish(self, entry: _Compiled, result: RunResult) -> None:
+    def _finish(self, entry: _Compiled, result: RunResult, *, count_call: bool = True
+                ) -> None:
+        """Commit a successful call: gradients and buffer updates into host state."""
         # Gradients may only land once the optimizer has finished reading them.
         self._optimizer.wait()
 
         def commit() -> None:
             entry.host.commit(result.param_grads, result.buffers)
             self._stats = result.stats
-            self._calls += 1
+            if count_call:  # a backward belongs to the forward call that was counted
+                self._calls += 1
 
         # On the optimizer thread: an interrupt of the caller cannot tear the commit.
         self._optimizer.run(commit)
@@ -445,8 +467,10 @@ class RoundPipe:
             merged = self._merge(entry, result, mbs, cfg)
             if not record:
                 return merged
-            return attach_backward(self, entry, result, (tuple(args), dict(kwargs)), mbs,
-                                   merged, cfg, keys)
+            # requires_grad=True records even under torch.no_grad(), as asked.
+            with torch.enable_grad():
+                return attach_backward(self, entry, result, (tuple(args), dict(kwargs)),
+                                       mbs, merged, cfg, keys)
 
     __call__ = forward
 
@@ -460,9 +484,11 @@ class RoundPipe:
         ``is_async=False`` the weights are updated before ``step`` returns.  Without
         ``optim_dtype`` (no separate masters) the next call waits for the step instead.
         """
-        for hook in self._step_hooks:
-            hook()
-        self._optimizer.step(step_fn, is_async=is_async)
+        def on_enqueue(version: int) -> None:
+            for hook in self._step_hooks:
+                hook(version)
+
+        self._optimizer.step(step_fn, is_async=is_async, on_enqueue=on_enqueue)
         if not is_async:
             for hook in self._sync_hooks:
                 hook()
@@ -517,22 +543,28 @@ class RoundPipe:
         """Load a state dict from :meth:`state_dict` (or a plain model's) bit-exactly,
         the asynchronous schedule included (see :meth:`state_dict`)."""
         self._optimizer.wait()
-        result = self.model.load_state_dict(state_dict, strict=strict)
-        self._state.load_masters({n: state_dict[n] for n, _ in self.model.named_parameters()
-                                  if n in state_dict})
-        meta = (getattr(state_dict, "_metadata", None) or {}).get("roundpipe") or {}
-        self._calls = int(meta.get("calls", self._calls))
-        self.seed = int(meta.get("seed", self.seed))
-        published = meta.get("published")
-        if published and self._state.has_masters:
-            # The weights were one step behind the masters: restore exactly that.
-            with torch.no_grad():
-                for name, value in published.items():
-                    self.model.get_parameter(name).copy_(value)
-            self._state.mark_dirty()
-        else:
-            self._state.publish(self._state.fences.schedule())
-        return result
+
+        def load() -> Any:
+            result = self.model.load_state_dict(state_dict, strict=strict)
+            self._state.load_masters({n: state_dict[n] for n, _ in
+                                      self.model.named_parameters() if n in state_dict})
+            meta = (getattr(state_dict, "_metadata", None) or {}).get("roundpipe") or {}
+            self._calls = int(meta.get("calls", self._calls))
+            self.seed = int(meta.get("seed", self.seed))
+            published = meta.get("published")
+            if published and self._state.has_masters:
+                # The weights were one step behind the masters: restore exactly that.
+                with torch.no_grad():
+                    for name, value in published.items():
+                        self.model.get_parameter(name).copy_(value)
+                self._state.mark_dirty()
+            else:
+                self._optimizer.publish_now()
+            return result
+
+        # On the optimizer thread: an interrupt cannot leave weights half loaded or
+        # fences half open.
+        return self._optimizer.run(load)
 
     def stats(self) -> RunStats:
         """Transfers, peak residency per device and the job timeline of the last call."""
@@ -571,18 +603,26 @@ class RoundPipe:
             raise AttributeError(name)
         value = getattr(self.__dict__["model"], name)
         if inspect.ismethod(value):
-            # pipe.save_pretrained(...) and the like must see the current weights, not
-            # those from before a pending asynchronous step.
+            # pipe.save_pretrained(...) and the like must see every step taken: they
+            # synchronize (so the next call, too, uses the current weights).  Mode
+            # switches only flip flags: they wait for a pending step and change nothing.
             @functools.wraps(value)
-            def synchronized(*args: Any, **kwargs: Any) -> Any:
-                self.synchronize()
+            def forwarded(*args: Any, **kwargs: Any) -> Any:
+                if name in _FLAG_METHODS:
+                    self._optimizer.wait()
+                else:
+                    self.synchronize()
                 return value(*args, **kwargs)
-            return synchronized
+            return forwarded
         return value
 
     def __repr__(self) -> str:
         return (f"RoundPipe({type(self.model).__name__}, devices="
                 f"{[d.name for d in self.devices]})")
+
+
+# Model methods that only flip flags: forwarded without publishing pending steps.
+_FLAG_METHODS = frozenset({"train", "eval", "requires_grad_"})
 
 
 def compile(  # noqa: A001 - the documented name

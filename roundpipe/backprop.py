@@ -47,11 +47,9 @@ class _PipelineBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, context: _Context, anchor: torch.Tensor, *tensors: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
-        ctx.context = context
-        n_out = len(context.out_tensors)  # type: ignore[attr-defined]
+        ctx.context = context  # anchor and tensors only connect the graph
         outs = tuple(t.detach() for t in context.out_tensors)  # type: ignore[attr-defined]
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
-        del n_out, tensors, anchor
         return outs
 
     @staticmethod
@@ -75,6 +73,7 @@ class _PipelineBackward(torch.autograd.Function):
                 store = output_grads[mb]
                 store[ref.value] = store[ref.value] + piece if ref.value in store else piece
         pipe = context.pipe
+        pipe._check_open()
         with pipe._lock, pipe._replica_call() as dp_call:
             entry = context.entry
             on_grads = dp_call.bind(entry.host, program.units) if dp_call else None
@@ -85,9 +84,7 @@ class _PipelineBackward(torch.autograd.Function):
             pipe._optimizer.wait()
             if dp_call is not None:  # all-reduced across replicas before anything commits
                 dp_call.complete(result, None)
-            # On the optimizer thread, like forward_backward's: an interrupt cannot tear it.
-            pipe._optimizer.run(lambda: entry.host.commit(result.param_grads, {}))
-            pipe._stats = result.stats
+            pipe._finish(entry, result, count_call=False)
             if dp_call is not None:
                 pipe._sync_replica_buffers(entry)
         context.stash = None  # a second backward through the same graph is an error

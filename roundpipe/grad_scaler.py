@@ -14,13 +14,13 @@ Why it differs from ``torch.amp.GradScaler``: with ``step(is_async=True)`` the n
 runs while the optimizer thread is still stepping, so a scale changed by that step must
 not reach a call already under way, and each step must unscale by the scale its gradients
 were made with.  The scale calls use therefore changes only at step boundaries: when
-``pipe.step`` enqueues a step, the scale the calls since the previous step used is queued
-with it, and calls from then on use the newest scale the optimizer thread has computed.
+``pipe.step`` enqueues a step, the scale the calls since the previous step used is recorded
+under that step's version, and calls from then on use the newest scale the optimizer
+thread has computed.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -65,7 +65,9 @@ class GradScaler:
         self._visible = float(init_scale)   # what scale() multiplies by
         self._latest = float(init_scale)    # the newest scale computed by a step
         self._good_steps = 0
-        self._queued: collections.deque[float] = collections.deque()
+        # The scale each enqueued step's gradients were made with, by the step's version.
+        self._step_scales: dict[int, float] = {}
+        self._pipe = pipe
         self._lock = threading.Lock()
         self.skipped_steps = 0
         pipe._nonfinite_loss_ok = enabled  # an inf/NaN loss skips the step, not an error
@@ -98,8 +100,13 @@ class GradScaler:
             if zero_grad:
                 optimizer.zero_grad()
             return True
+        version = self._pipe._optimizer.current_version
         with self._lock:
-            scale = self._queued.popleft() if self._queued else self._visible
+            scale = self._step_scales.pop(version, self._visible) if version is not None \
+                else self._visible
+            # Steps before this one that never called scaler.step leave their entry behind.
+            for stale in [v for v in self._step_scales if version is not None and v < version]:
+                del self._step_scales[stale]
         inv = 1.0 / scale
         finite = True
         with torch.no_grad():
@@ -134,15 +141,16 @@ class GradScaler:
                 self._good_steps = 0
 
     # --- pipe hooks (caller thread) ------------------------------------------------------
-    def _on_step_enqueued(self) -> None:
+    def _on_step_enqueued(self, version: int) -> None:
         with self._lock:
-            self._queued.append(self._visible)
+            self._step_scales[version] = self._visible
             self._visible = self._latest
 
     def _on_synchronized(self) -> None:
         with self._lock:
-            if not self._queued:  # every queued step has run: calls may use the newest
-                self._visible = self._latest
+            # Every step has run; an entry left is a step that never called scaler.step.
+            self._step_scales.clear()
+            self._visible = self._latest
 
     def state_dict(self) -> dict[str, Any]:
         """Everything an exact resume needs: the newest scale, the one calls use now
@@ -159,4 +167,4 @@ class GradScaler:
             self._visible = float(state.get("visible_scale", state["scale"]))
             self._good_steps = int(state["good_steps"])
             self.skipped_steps = int(state.get("skipped_steps", 0))
-            self._queued.clear()
+            self._step_scales.clear()

@@ -484,3 +484,86 @@ def test_two_pipes_share_the_devices_and_train_alternately():
         for p, q in zip(pipe.model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q)
         pipe.close()
+
+
+# --- found in review: each failed before its fix -------------------------------------------
+
+@pytest.mark.parametrize("inside", ["synchronize", "state_dict", "forwarded method"])
+def test_step_fn_may_call_the_pipe_without_deadlock(inside):
+    pipe = _pipe()
+    opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+    _call(pipe)
+    calls = {"synchronize": pipe.synchronize, "state_dict": pipe.state_dict,
+             "forwarded method": pipe.zero_grad}
+
+    def step():
+        opt.step()
+        calls[inside]()
+        opt.zero_grad()
+
+    pipe.step(step)
+    pipe.synchronize()  # used to wait forever on its own future
+    _works(pipe)
+    pipe.close()
+
+
+def test_a_failed_step_is_reported_even_when_another_was_queued_behind_it():
+    pipe = _pipe()
+    opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+    _call(pipe)
+
+    def bad():
+        time.sleep(0.1)
+        raise _Boom("first step")
+
+    pipe.step(bad)
+    pipe.step(lambda: (opt.step(), opt.zero_grad()))
+    with pytest.raises(StepError, match="first step"):
+        pipe.synchronize()
+    pipe.synchronize()  # the second step ran; nothing left to report
+    pipe.close()
+
+
+def test_interrupted_publish_does_not_hang_the_next_call():
+    """synchronize() publishes on the optimizer thread, so an interrupt of the caller
+    cannot leave fences below their target (the next call's uploads would wait forever)."""
+    pipe = _pipe()
+    opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+    _call(pipe)
+    pipe.step(lambda: (opt.step(), opt.zero_grad()))
+    fences = pipe._state.fences
+    record = fences.record
+    fences.events = []
+
+    def slow(what, name, version):
+        record(what, name, version)
+        if what == "publish_begin":
+            time.sleep(0.05)
+
+    fences.record = slow
+    timer = _interrupt_after(0.1)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.synchronize()
+    timer.join()
+    fences.record = record
+    _works(pipe)  # used to hang on a half-published fence
+    pipe.close()
+
+
+def test_errors_are_not_their_own_cause():
+    pipe = _pipe()
+    _call(pipe)
+    with pytest.raises(LossError) as info:
+        _call(pipe, loss_fn=lambda o, y: (o - y) ** 2)
+    assert info.value.__cause__ is not info.value
+    pipe.close()
+
+
+def test_calls_after_close_get_a_clear_error():
+    pipe = _pipe()
+    out = pipe(torch.randn(6, 4))
+    pipe.close()
+    with pytest.raises(RoundPipeError, match="closed"):
+        out.sum().backward()
+    with pytest.raises(RoundPipeError, match="closed"):
+        _call(pipe)

@@ -470,3 +470,70 @@ def test_replan_uses_measured_times_and_keeps_training_exact():
     for p, q in zip(pipe.optim_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
     pipe.close()
+
+
+# --- found in review: each failed before its fix -------------------------------------------
+
+def test_replan_options_stay_in_force_for_later_calls():
+    pipe = RoundPipe(_mlp(), devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = _data(0)
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    before = len(pipe.plan.stages)
+    unit = max(c.param_bytes + c.trainable_bytes + c.activation_bytes
+               for c in pipe.plan.costs)
+    tight = pipe.replan(memory_cap=unit)  # one unit per stage at most
+    assert len(tight.stages) > before
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    assert pipe.plan is tight  # used to fall back to the uncapped plan
+    assert len(pipe.replan(num_stages=before + 2, memory_cap=None).stages) == before + 2
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    assert len(pipe.plan.stages) == before + 2
+    pipe.close()
+
+
+def test_requires_grad_true_records_even_under_no_grad():
+    torch.manual_seed(0)
+    model = _mlp().double()
+    pipe = RoundPipe(copy.deepcopy(model), devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with torch.no_grad():
+        out = pipe(x, run_config=RoundPipeRunConfig(requires_grad=True))
+    assert out.requires_grad
+    out.sum().backward()
+    model(x).sum().backward()
+    for p, q in zip(pipe.model.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    pipe.close()
+
+
+def test_mode_switches_through_the_pipe_do_not_change_the_async_schedule():
+    def losses(switch: bool):
+        pipe = RoundPipe(_mlp(), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                         model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+        out = []
+        for step in range(4):
+            if switch:
+                pipe.train()
+            x, y = _data(step)
+            out.append(pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss))
+            pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        pipe.close()
+        return out
+
+    assert all(torch.equal(a, b) for a, b in zip(losses(False), losses(True)))
+
+
+def test_training_calls_do_not_compute_input_gradients():
+    pipe = RoundPipe(_mlp(), devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = _data(0)
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    plain = sum(d.downloaded["grads"] for d in pipe.stats().devices)
+    xg = x.clone().requires_grad_()
+    pipe.forward_backward(input_args=(xg,), label=y, loss_fn=F.mse_loss)
+    assert sum(d.downloaded["grads"] for d in pipe.stats().devices) == plain
+    assert xg.grad is None  # documented: input gradients come through pipe(x).backward()
+    pipe.close()

@@ -228,3 +228,43 @@ def test_fp16_model_trains_with_grad_scaler():
     assert all(torch.isfinite(p).all() for p in pipe.model.parameters())
     assert losses[-1] < 0.5 * losses[0]
     pipe.close()
+
+
+def test_layer_grain_uploads_a_value_read_by_several_units_once():
+    pipe, args = _gpt_pipe(2)
+    pipe.forward_backward(**args, run_config=RoundPipeRunConfig(recompute_grain="layer"))
+    plan, stats = pipe.plan, pipe.stats()
+    report = pipe._current.analysis.report
+    acts = sum(d.uploaded["activations"] for d in stats.devices)
+    expected = NUM_MB * sum(
+        s.act_in_bytes if s.kind != "bwd" else
+        sum(report.values[v].nbytes for v in plan.stash["layer"][s.index] if v in report.values)
+        for s in plan.stages)
+    assert acts == expected
+    pipe.close()
+
+
+def test_grad_scaler_survives_a_step_that_was_refused():
+    """A refused step (step_fn not callable) must not leave a scale behind for the next
+    step to unscale with."""
+    l0, w0, _, _ = _scaled_run(True, True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 1))
+    pipe = RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    scaler = GradScaler(pipe, init_scale=2.0**10, growth_interval=2)
+    opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.05)
+    with pytest.raises(Exception):
+        pipe.step(None)  # refused before it is enqueued
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        pipe.forward_backward(input_args=(x,), label=y,
+                              loss_fn=lambda o, t: scaler.scale(F.mse_loss(o, t)))
+        pipe.step(lambda: scaler.step(opt))
+    pipe.synchronize()
+    for a, b in zip(pipe.model.parameters(), w0):
+        assert torch.equal(a, b)
+    pipe.close()

@@ -94,9 +94,6 @@ class Transfer:
     def result(self) -> Any:
         return self._on_result(self._future.result())
 
-    def done(self) -> bool:
-        return self._future.done()
-
     def release(self) -> None:
         """Free the copy's bytes in the accounting (waits for a copy still in flight)."""
         if self._released:
@@ -252,7 +249,11 @@ class VirtualCPUDevice(Device):
     def _copy_in(self, tensor: torch.Tensor, category: str, stream: Any) -> torch.Tensor:
         nbytes = _nbytes(tensor)
         self._account_upload(nbytes, category)
-        return tensor.detach().clone(memory_format=torch.contiguous_format)
+        try:
+            return tensor.detach().clone(memory_format=torch.contiguous_format)
+        except BaseException:
+            self.release(nbytes, category)  # the copy never existed
+            raise
 
     def download(self, tensor: torch.Tensor, category: str = "activations",
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,7 +308,13 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
     def _copy_in(self, tensor: torch.Tensor, category: str, stream: Any) -> torch.Tensor:
         nbytes = _nbytes(tensor)
         self._account_upload(nbytes, category)
-        src = tensor.detach()
+        try:
+            return self._cuda_copy(tensor.detach(), category, stream)
+        except BaseException:
+            self.release(nbytes, category)  # the copy never existed
+            raise
+
+    def _cuda_copy(self, src: torch.Tensor, category: str, stream: Any) -> torch.Tensor:
         with torch.cuda.stream(stream):
             dst = torch.empty(src.shape, dtype=src.dtype, device=self.torch_device)
             flat_src, flat_dst = src.reshape(-1), dst.view(-1)

@@ -247,9 +247,12 @@ class Executor:
                   keys: list[RngKey | None], fence_version: int, record: bool = True,
                   autocast: tuple[str, torch.dtype] | None = None) -> _Call:
         num_mb = len(inputs)
+        # Gradients of inputs only flow back through forward() + backward(); a training
+        # call has nowhere to return them.
         grad_inputs = frozenset(
             name for name, v in inputs[0].items()
-            if isinstance(v, torch.Tensor) and v.requires_grad) if inputs else frozenset()
+            if isinstance(v, torch.Tensor) and v.requires_grad) \
+            if inputs and mode != "train" else frozenset()
         carries = self._carries(grad_inputs) if (mode != "forward" or record) else frozenset()
         return _Call(
             mode=mode, num_mb=num_mb, grain=grain, keys=keys,
@@ -350,11 +353,11 @@ class Executor:
         for job in jobs[:len(self.devices)]:
             self._start_load(call, job)
         futures = []
-        for job in jobs:
-            device = self.devices[job.index % len(self.devices)]
-            futures.append((job, device, device.submit(self._job_main, job, device, call)))
         errors: list[tuple[Job, Device, BaseException]] = []
         try:
+            for job in jobs:
+                device = self.devices[job.index % len(self.devices)]
+                futures.append((job, device, device.submit(self._job_main, job, device, call)))
             for job, device, fut in futures:
                 try:
                     fut.result()
@@ -378,7 +381,10 @@ class Executor:
             call.handoff.clear()
         if errors:
             job, device, e = min(errors, key=lambda x: x[0].index)
-            raise self._describe_error(job, device, e) from e
+            described = self._describe_error(job, device, e)
+            if described is e:
+                raise e
+            raise described from e
         stats = RunStats(
             devices=tuple(d.counters() for d in self.devices),
             timeline=tuple(sorted(call.timeline, key=lambda r: r.job)),
@@ -534,20 +540,21 @@ class _JobRunner:
         self.held: dict[int, list[Transfer]] = {}      # uploads per microbatch
         self.prefetched: dict[int, dict[str, Transfer]] = {}
         self.handed: set[tuple[int, str]] = set()  # (unit, slot) gradients already staged
+        self.units_by_index = {u.index: u for u in self.units}
         self.skip = job.skip
 
     # --- state -------------------------------------------------------------------------
     def setup(self) -> None:
-        if self.skip:
-            return  # nothing here carries a gradient (frozen layers)
         call, ex = self.call, self.ex
-        if self.job.index not in call.weights:
-            ex._start_load(call, self.job)
-        self.weights = call.weights.pop(self.job.index)
         # Double buffering: the next job on this device loads while this one computes.
         nxt = self.job.index + len(ex.devices)
         if nxt < len(call.jobs):
             ex._start_load(call, call.jobs[nxt])
+        if self.skip:
+            return  # nothing here carries a gradient (frozen layers)
+        if self.job.index not in call.weights:
+            ex._start_load(call, self.job)
+        self.weights = call.weights.pop(self.job.index)
         self.state = dict(self.weights.result())
         if self.job.kind in ("fused", "bwd"):
             users: dict[str, int] = {}
@@ -589,8 +596,12 @@ class _JobRunner:
         """Download the parameter gradients not staged yet (only ``unit``'s, if given)."""
         pool = self.ex.grad_buffers
         staged: list[tuple[str, int, torch.Tensor]] = []
-        for (uid, slot), leaf in self.param_leaves.items():
-            if leaf.grad is None or (uid, slot) in self.handed or unit not in (None, uid):
+        leaves = (self.param_leaves.items() if unit is None else
+                  (((unit, slot), self.param_leaves[(unit, slot)])
+                   for slot in self.units_by_index[unit].state
+                   if (unit, slot) in self.param_leaves))
+        for (uid, slot), leaf in leaves:
+            if leaf.grad is None or (uid, slot) in self.handed:
                 continue
             host = self.device.download(leaf.grad, "grads", out=pool.get((uid, slot)))
             pool[(uid, slot)] = host
@@ -614,7 +625,7 @@ class _JobRunner:
         call = self.call
         staged_grads = self._stage_grads()
         staged_buffers: dict[str, torch.Tensor] = {}
-        if self.job.kind in ("fwd", "fused") and call.mode != "backward":
+        if self.job.kind in ("fwd", "fused"):  # forward work updates buffers
             mutated = {s for u in self.units for s in u.mutated_state}
             mutated.update(slot for v, slot in self.ex._buffer_update.items()
                            if v in self.produced_here)
@@ -723,8 +734,7 @@ class _JobRunner:
                         for v in unit.inputs]
                 outs = self._call_unit(unit, args, mb)
                 values.update(zip(unit.outputs, outs))
-                if self.call.mode != "backward":
-                    self._apply_buffer_updates(unit, values)
+                self._apply_buffer_updates(unit, values)
                 self._time(self.call.unit_fwd_s, unit.index, t)
         self._publish(mb, values)
 
@@ -807,11 +817,12 @@ class _JobRunner:
 
     def _backward_layers(self, mb: int) -> None:
         acc: dict[str, torch.Tensor] = {}
+        uploaded: dict[str, Any] = {}  # a value several units read is uploaded once
         for unit in reversed(self.units):  # recompute one unit, run its backward, free it
             t = time.perf_counter()
             values: dict[str, Any] = {}
             leaves: dict[tuple[int, str], Any] = {}
-            self._forward_unit_grad(unit, mb, values, {}, leaves, from_host_only=True)
+            self._forward_unit_grad(unit, mb, values, uploaded, leaves, from_host_only=True)
             self._backward_unit(unit, mb, values, acc, leaves)
             self._time(self.call.unit_bwd_s, unit.index, t)
         self._flush_grads(mb, acc)

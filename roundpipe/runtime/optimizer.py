@@ -16,6 +16,7 @@ so the fences stay closed until ``fn`` returns and the next call waits for it.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -31,14 +32,33 @@ class OptimizerWorker:
     def __init__(self, host: ModelState) -> None:
         self.host = host
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="roundpipe-optim")
-        self._pending: Future | None = None
+        self._pending: list[Future] = []  # steps not yet waited for, in order
+        self._local = threading.local()  # on the optimizer thread: the running step
 
-    def step(self, fn: Callable[[], Any], is_async: bool = True) -> None:
+    @property
+    def on_worker(self) -> bool:
+        """Whether the calling thread is the optimizer thread (inside ``step_fn``)."""
+        return getattr(self._local, "inside", False)
+
+    @property
+    def current_version(self) -> int | None:
+        """The fence version of the step running on this thread (None elsewhere)."""
+        return getattr(self._local, "version", None)
+
+    def step(self, fn: Callable[[], Any], is_async: bool = True,
+             on_enqueue: Callable[[int], None] | None = None) -> None:
+        """Enqueue ``fn``; ``on_enqueue(version)`` runs once the step is sure to be
+        enqueued and before it can start (GradScaler keys its scale by the version)."""
         if not callable(fn):
             raise StepError(f"step_fn must be callable, got {type(fn).__name__}")
+        if self.on_worker:
+            raise StepError("pipe.step() was called from inside a step_fn; call it from "
+                            "the training loop")
         self.raise_if_failed()
         version = self.host.fences.schedule()
-        self._pending = self._executor.submit(self._run, fn, version)
+        if on_enqueue is not None:
+            on_enqueue(version)
+        self._pending.append(self._executor.submit(self._run, fn, version))
         if not is_async:
             self.synchronize()
 
@@ -46,6 +66,7 @@ class OptimizerWorker:
         host = self.host
         if host.has_masters:
             host.publish(version)
+        self._local.inside, self._local.version = True, version
         try:
             fn()
         except BaseException:
@@ -55,53 +76,61 @@ class OptimizerWorker:
                 host.reset_masters_to_weights()
             raise
         finally:
+            self._local.inside, self._local.version = False, None
             if not host.has_masters:
                 host.fences.publish_all(version)
         host.mark_dirty()
 
     def wait(self) -> None:
-        """Wait for the pending step; raise :class:`StepError` if it failed."""
-        pending = self._pending
-        if pending is None:
+        """Wait for every pending step; raise :class:`StepError` for the first that failed.
+
+        A no-op on the optimizer thread itself (a ``step_fn`` that calls the pipe)."""
+        if self.on_worker:
             return
-        try:
-            pending.result()
-        except BaseException as e:  # noqa: BLE001 - re-raised as StepError
-            if not (pending.done() and pending.exception() is e):
-                raise  # the caller was interrupted while waiting; the step goes on
-            self._pending = None
-            raise StepError(
-                f"step_fn raised {type(e).__name__}: {e}. The model weights are unchanged "
-                "since the last successful step"
-                + (" and the masters were reset to them" if self.host.has_masters else
-                   " unless step_fn itself wrote them (use optim_dtype to keep separate "
-                   "masters)") + "; fix step_fn and call step() again"
-            ) from e
-        self._pending = None
+        while self._pending:
+            pending = self._pending[0]
+            try:
+                pending.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised as StepError
+                if not (pending.done() and pending.exception() is e):
+                    raise  # the caller was interrupted while waiting; the step goes on
+                self._pending.pop(0)
+                raise StepError(
+                    f"step_fn raised {type(e).__name__}: {e}. The model weights are "
+                    "unchanged since the last successful step"
+                    + (" and the masters were reset to them" if self.host.has_masters else
+                       " unless step_fn itself wrote them (use optim_dtype to keep "
+                       "separate masters)") + "; fix step_fn and call step() again"
+                ) from e
+            self._pending.pop(0)
 
     def run(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the optimizer thread, after any pending step, and wait for it.
 
-        Used for the gradient commit: an interrupt of the waiting caller cannot stop it
-        halfway, so gradients are committed whole or not at all.
+        Used for commits and publishes: an interrupt of the waiting caller cannot stop
+        them halfway, so they happen whole or not at all.
         """
+        if self.on_worker:
+            return fn()
         return self._executor.submit(fn).result()
 
     def raise_if_failed(self) -> None:
-        pending = self._pending
-        if pending is not None and pending.done():
-            self.wait()
+        if any(p.done() for p in self._pending):
+            done = [p for p in self._pending if p.done()]
+            if any(p.exception() is not None for p in done):
+                self.wait()
+            else:
+                self._pending = [p for p in self._pending if not p.done()]
 
     def synchronize(self) -> None:
-        """Wait for the pending step and publish, so the model weights are current."""
+        """Wait for the pending steps and publish, so the model weights are current."""
         self.wait()
-        if self.host.has_masters:
-            version = self.host.fences.schedule()
-            self.host.publish(version)
+        if self.host.has_masters and not self.on_worker:
+            self.run(self.publish_now)
 
-    @property
-    def busy(self) -> bool:
-        return self._pending is not None and not self._pending.done()
+    def publish_now(self) -> None:
+        """Raise the fences' target and publish the masters (on the optimizer thread)."""
+        self.host.publish(self.host.fences.schedule())
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
