@@ -89,6 +89,11 @@ class RoundPipe:
             when a ``torch.distributed`` process group of more than one rank is
             initialised; ``True`` or a :class:`~roundpipe.DataParallelConfig`: on (the
             group is initialised from ``torchrun``'s variables if needed); ``False``: off.
+        share_blocks: trace each distinct repeated block once and copy its graph into the
+            others, which makes compiling a deep model several times faster.  Blocks of one
+            class with equal attributes and parameter layouts are taken to compute the
+            same; pass ``False`` for a model whose blocks branch on something else (module
+            identity, global state), so that every block is traced on its own.
 
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.
@@ -114,6 +119,7 @@ class RoundPipe:
         device_model: DeviceModel | None = None,
         leaf_modules: Sequence[str | type] | None = None,
         data_parallel: bool | DataParallelConfig | None = None,
+        share_blocks: bool = True,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ModelError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
@@ -134,6 +140,9 @@ class RoundPipe:
             raise ConfigError(f"optim_dtype must be a floating torch.dtype or None, got "
                               f"{optim_dtype!r}")
         self.leaf_modules = resolve_leaf_modules(model, leaf_modules or ())
+        if not isinstance(share_blocks, bool):
+            raise ConfigError(f"share_blocks must be True or False, got {share_blocks!r}")
+        self.share_blocks = share_blocks
         self._found_leaves: tuple[str, ...] = ()  # leaves the last trace had to add
         _disable_cache(model)
         object.__setattr__(self, "model", model)
@@ -214,7 +223,8 @@ class RoundPipe:
             analysis = analyze(self.model, example[0], example[1],
                                cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
                                device_model=self.device_model,
-                               leaf_modules=self.leaf_modules + self._found_leaves)
+                               leaf_modules=self.leaf_modules + self._found_leaves,
+                               share_blocks=self.share_blocks)
         # A recompile (new shapes, eval mode) goes straight to the leaves this one needed.
         self._found_leaves = analysis.leaves
         plan = make_plan(analysis.program, analysis.units, analysis.report,

@@ -45,6 +45,7 @@ def analyze(
     cost_scale: float = 1.0,
     device_model: DeviceModel | None = None,
     leaf_modules: Sequence[str | type] = (),
+    share_blocks: bool = True,
 ) -> Analysis:
     """Trace ``model`` and estimate its per-unit costs.
 
@@ -54,12 +55,13 @@ def analyze(
             when the example is a whole batch).
         device_model: throughput figures for the cost model (default: the CPU's).
         leaf_modules: modules (paths or classes) tracing keeps opaque.
+        share_blocks: trace each distinct repeated block once (see :func:`trace`).
     """
     device_model = device_model or DeviceModel.for_device("cpu")
     # 1. trace: one flat graph, state as placeholders, tied weights deduplicated.
     roots = find_unit_roots(model, resolve_leaf_modules(model, leaf_modules))
     traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots,
-                   opaque_modules=leaf_modules)
+                   opaque_modules=leaf_modules, share_blocks=share_blocks)
     hidden = frozenset(resolve_leaf_modules(model, leaf_modules)) | frozenset(traced.leaves)
     if traced.leaves:  # leaves found while tracing hide what is inside them
         roots = find_unit_roots(model, hidden)
@@ -90,6 +92,7 @@ def compile_model(
     num_stages: int | None = None,
     recompute_grain: str = "stage",
     leaf_modules: Sequence[str | type] = (),
+    share_blocks: bool = True,
 ) -> StagePlan:
     """Trace ``model`` and cut it into a stage plan.
 
@@ -107,6 +110,7 @@ def compile_model(
             memory cap demands it).
         recompute_grain: default grain shown in the plan (each call may override it).
         leaf_modules: modules (paths or classes) tracing keeps opaque.
+        share_blocks: trace each distinct repeated block once (see :func:`analyze`).
     """
     if num_microbatch is None:
         num_microbatch = num_devices + 1
@@ -119,7 +123,8 @@ def compile_model(
     device_model = device_model or DeviceModel.for_device("cpu")
     analysis = analyze(model, example_args, example_kwargs,
                        cost_scale=1.0 if example_is_microbatch else 1.0 / num_microbatch,
-                       device_model=device_model, leaf_modules=leaf_modules)
+                       device_model=device_model, leaf_modules=leaf_modules,
+                       share_blocks=share_blocks)
     plan = make_plan(analysis.program, analysis.units, analysis.report,
                      num_devices=num_devices, num_microbatch=num_microbatch,
                      device_model=device_model, memory_cap=memory_cap,

@@ -77,7 +77,7 @@ def test_stage_modules_cover_every_unit_in_order():
         assert covered == list(range(len(plan.units))), name
         for spec, module in zip(plan.stages, plan.stage_modules):
             calls = [n.target for n in module.graph.nodes if n.op == "call_module"]
-            assert calls == [f"unit_{u}" for u in range(*spec.units)]
+            assert calls == [f"units.unit_{u}" for u in range(*spec.units)]
 
 
 def test_dropout_in_eval_mode_is_the_identity():

@@ -249,14 +249,17 @@ def build_stage_module(program: ModelProgram, start: int, stop: int,
 
     g = torch.fx.Graph()
     root = torch.nn.Module()
+    # The unit programs sit one level down: a GraphModule recompiles the GraphModules among
+    # its direct children, and they are compiled already.
+    root.add_module("units", torch.nn.Module())
     env: dict[str, torch.fx.Node] = {}
     for name in inputs + state:
         env[name] = g.placeholder(name)
     device_ph = g.placeholder("_device")
     rng_ph = g.placeholder("_rng")
     for unit in units:
-        attr = f"unit_{unit.index}"
-        root.add_module(attr, unit.module)
+        attr = f"units.unit_{unit.index}"
+        root.units.add_module(f"unit_{unit.index}", unit.module)
         call_args = [env[v] for v in unit.inputs] + [env[s] for s in unit.state]
         if unit.needs_device:
             call_args.append(device_ph)

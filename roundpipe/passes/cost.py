@@ -116,7 +116,7 @@ class _CostInterpreter(torch.fx.Interpreter):
     shrink with the microbatch."""
 
     def __init__(self, gm: torch.fx.GraphModule, counter: FlopCounterMode,
-                 state_names: set[str]) -> None:
+                 state_names: set[str], memoize: bool = False) -> None:
         super().__init__(gm)
         self.counter = counter
         self.state_names = state_names
@@ -124,12 +124,24 @@ class _CostInterpreter(torch.fx.Interpreter):
         self.act_traffic: dict[str, int] = {}
         self.state_traffic: dict[str, int] = {}
         self.out_bytes: dict[str, int] = {}
+        # On fake tensors an op's result depends only on its arguments' layouts, so the
+        # copies of a repeated block run once: (op, layouts) -> (fake result, FLOPs).
+        self.memo: dict[Any, tuple[Any, int]] | None = {} if memoize else None
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        before = self.counter.get_total_flops()
-        result = super().run_node(n)
+        key = self._memo_key(n)
+        hit = self.memo.get(key) if key is not None and self.memo is not None else None
+        if hit is not None:
+            result, flops = hit
+            self.env[n] = result
+        else:
+            before = self.counter.get_total_flops()
+            result = super().run_node(n)
+            flops = self.counter.get_total_flops() - before
+            if key is not None and self.memo is not None:
+                self.memo[key] = (result, flops)
         if n.op in ("call_function", "call_method", "call_module"):
-            self.flops[n.name] = self.counter.get_total_flops() - before
+            self.flops[n.name] = flops
             view = _is_view(n)
             produced = 0 if view else _tensor_bytes(result)
             act_read = state_read = 0
@@ -147,6 +159,32 @@ class _CostInterpreter(torch.fx.Interpreter):
         elif n.op == "placeholder":
             self.out_bytes[n.name] = _tensor_bytes(result)
         return result
+
+    def _memo_key(self, n: torch.fx.Node) -> Any:
+        """A key for ops whose fake result is a function of argument layouts (None for
+        anything else: opaque calls, ops that write to their arguments)."""
+        if self.memo is None or n.op != "call_function" or not isinstance(
+                n.target, torch._ops.OpOverload) or _writes(n.target):
+            return None
+        flat, spec = pytree.tree_flatten((n.args, n.kwargs))
+        parts: list[Any] = [n.target, spec]
+        for leaf in flat:
+            value = self.env.get(leaf) if isinstance(leaf, torch.fx.Node) else leaf
+            for v in (value if isinstance(value, (list, tuple)) else (value,)):
+                if isinstance(v, torch.Tensor):
+                    parts.append((tuple(v.shape), v.stride(), v.storage_offset(), v.dtype,
+                                  v.device, v.requires_grad))
+                elif isinstance(v, (int, float, bool, str, type(None), torch.dtype,
+                                    torch.device, torch.layout, torch.memory_format)):
+                    parts.append((type(v), v))
+                else:
+                    return None
+        return tuple(parts)
+
+
+def _writes(op: torch._ops.OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write
+               for a in op._schema.arguments)
 
 
 def _cpu_sdpa_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
@@ -232,7 +270,7 @@ def _interpret(traced: TracedGraph) -> _CostInterpreter:
     with fake_mode:
         fake_args = inputs(fake_mode.from_tensor)
     counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
-    interp = _CostInterpreter(gm, counter, state_names)
+    interp = _CostInterpreter(gm, counter, state_names, memoize=True)
     try:
         with fake_mode, counter:
             interp.run(*fake_args)

@@ -35,7 +35,7 @@ import re
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx
@@ -48,6 +48,7 @@ from ..plan import InputSignature, OutputRef, StateSpec
 from ..runtime.modcall import call_module_functional
 from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
+from .shared_blocks import SharingFailed, repeated_groups, shared_blocks, splice_blocks
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class TracedGraph:
         method: ``"export"``, ``"export-static"``, ``"export-leaves"`` or ``"fx"``.
         notes: what was tried and why a fallback was used.
         leaves: paths of the modules export kept opaque (``"export-leaves"``).
+        copied: paths of the repeated blocks whose nodes are copies of another block's
+            trace (they compute the same; see :mod:`roundpipe.passes.shared_blocks`).
     """
 
     graph_module: torch.fx.GraphModule
@@ -89,6 +92,7 @@ class TracedGraph:
     method: str
     notes: tuple[str, ...] = ()
     leaves: tuple[str, ...] = ()
+    copied: tuple[str, ...] = ()
 
 
 def trace(
@@ -99,6 +103,7 @@ def trace(
     leaf_modules: Iterable[str] = (),
     opaque_modules: Iterable[str | type] = (),
     dynamic: bool = True,
+    share_blocks: bool = True,
 ) -> TracedGraph:
     """Trace ``model`` on the example inputs.
 
@@ -112,6 +117,8 @@ def trace(
             fails inside a submodule, every module of that class is made opaque and export
             is tried again, without being asked.
         dynamic: try dynamic shapes first.
+        share_blocks: trace each distinct repeated block once and copy its graph into
+            the blocks that compute the same (see :mod:`roundpipe.passes.shared_blocks`).
 
     Raises:
         ModelError: the model has no parameters.
@@ -132,11 +139,13 @@ def trace(
                       lambda: _trace_export(model, example_args, example_kwargs, False,
                                             user_leaves)))
     else:
+        # Repeated blocks that compute the same thing are traced once and copied.
+        shared = repeated_groups(model, tuple(leaf_modules)) if share_blocks else ()
         if dynamic:
-            tries.append(("export", lambda: _trace_export(model, example_args, example_kwargs,
-                                                          True)))
-        tries.append(("export-static",
-                      lambda: _trace_export(model, example_args, example_kwargs, False)))
+            tries.append(("export", lambda: _trace_export_sharing(
+                model, example_args, example_kwargs, True, shared)))
+        tries.append(("export-static", lambda: _trace_export_sharing(
+            model, example_args, example_kwargs, False, shared)))
     tries.append(("fx", lambda: _trace_fx(model, example_args, example_kwargs,
                                           frozenset(leaf_modules))))
     for method, attempt in tries:
@@ -203,12 +212,26 @@ def _describe_leaves(model: torch.nn.Module, paths: tuple[str, ...]) -> str:
 
 # --- torch.export ----------------------------------------------------------------------
 
+def _trace_export_sharing(model: torch.nn.Module, args: tuple[Any, ...],
+                          kwargs: dict[str, Any], dynamic: bool,
+                          shared: tuple[str, ...]) -> TracedGraph:
+    """Export with the ``shared`` blocks traced once per distinct computation; export
+    again without sharing when the result cannot be spliced."""
+    if shared:
+        try:
+            return _trace_export(model, args, kwargs, dynamic, shared=shared)
+        except SharingFailed as e:
+            log.info("roundpipe: tracing every block on its own: %s", e)
+    return _trace_export(model, args, kwargs, dynamic)
+
+
 def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  dynamic: bool, leaves: tuple[str, ...] = ()) -> TracedGraph:
+                  dynamic: bool, leaves: tuple[str, ...] = (),
+                  shared: tuple[str, ...] = ()) -> TracedGraph:
     hook = model.register_forward_hook(_register_output_dataclasses)
     try:
         with leaves_as_custom_ops(model, leaves, args, kwargs) as sites, \
-                _packed_forward(model):
+                shared_blocks(model, shared) as blocks, _packed_forward(model):
             # The model is called as model((args, kwargs)): export then never binds
             # (args, kwargs) to a forward(*args, **kwargs) signature itself, which in torch
             # 2.13 breaks dynamic shapes (PEFT's PeftModel.forward is one such signature).
@@ -220,13 +243,18 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
                         shapes[leaf] = {d: Dim.AUTO for d in range(leaf.dim())}
                 dynamic_shapes = shapes.dynamic_shapes(model, ((args, kwargs),))
             ep = _quiet_export(model, ((args, kwargs),), {}, dynamic_shapes)
+            gm = ep.graph_module
+            sig = ep.graph_signature
+            copied = splice_blocks(gm, blocks, _state_lookup(model, gm, sig)) if blocks \
+                else ()
+            if copied:
+                log.info("roundpipe: traced %d of %d repeated blocks, copied the rest",
+                         len(blocks) - len(copied), len(blocks))
     finally:
         hook.remove()
         _clear_dim_markers((args, kwargs))
-    gm = ep.graph_module
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    sig = ep.graph_signature
 
     # State slots, deduplicated by tensor identity (tied weights keep one placeholder).
     named = _named_state(model)
@@ -324,7 +352,21 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         example_inputs=tuple(flat_inputs),
         method=LEAVES_METHOD if leaves else "export" if dynamic else "export-static",
         leaves=leaves,
+        copied=copied,
     )
+
+
+def _state_lookup(model: torch.nn.Module, gm: torch.fx.GraphModule,
+                  sig: Any) -> dict[torch.fx.Node, torch.Tensor]:
+    """The model parameter or buffer behind each exported state placeholder."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_node: dict[torch.fx.Node, torch.Tensor] = {}
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind == InputKind.PARAMETER:
+            by_node[node] = model.get_parameter(spec.target)
+        elif spec.kind == InputKind.BUFFER:
+            by_node[node] = model.get_buffer(spec.target)
+    return by_node
 
 
 def _input_names(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -375,7 +417,8 @@ def _quiet_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     captured = io.StringIO()
     error: BaseException | None = None
     try:
-        with contextlib.redirect_stderr(captured):
+        # Stack traces cost a tenth of export's time and nothing here reads them.
+        with contextlib.redirect_stderr(captured), _no_stack_traces():
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                        strict=False)
     except BaseException as e:
@@ -391,6 +434,20 @@ def _quiet_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
                       partial)
         if text.strip():
             sys.stderr.write(text)
+
+
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):  # older torch: nothing to switch off
+        yield
+        return
+    previous = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = previous
 
 
 def _exception_chain(error: BaseException | None) -> list[BaseException]:

@@ -1,0 +1,261 @@
+"""Tests for roundpipe.passes.shared_blocks: repeated blocks that compute the same are
+traced once and copied, blocks that differ are not, and a copied graph computes exactly
+what the model does (and what a trace of every block does)."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from roundpipe.compiler import analyze, compile_model
+from roundpipe.errors import ConfigError
+from roundpipe.passes.cost import _EXTRA_FLOP_FORMULAS
+from roundpipe.passes.layers import assign_layers, find_unit_roots
+from roundpipe.passes.trace import MODULE_PATH, MUTATES, trace
+from test_trace import _run_traced_graph
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, index: int = 0, kind: str = "gelu") -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.layer_idx = index
+        self.kind = kind
+
+    def mlp(self, x):
+        h = self.fc1(x)
+        return self.fc2(F.gelu(h) if self.kind == "gelu" else F.relu(h))
+
+    def forward(self, x, scale=1.0):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln(x)).view(B, T, 3, 2, C // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, C)) * scale
+        return x + self.mlp(x)
+
+
+class LM(nn.Module):
+    def __init__(self, blocks: list[nn.Module], d: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.h = nn.ModuleList(blocks)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)
+
+
+def _lm(blocks, seed=0):
+    torch.manual_seed(seed)
+    return LM(blocks).double()
+
+
+def _trace(model, idx, share=True):
+    return trace(model, (idx,), leaf_modules=find_unit_roots(model), share_blocks=share)
+
+
+def _idx(batch=2, seq=8):
+    return torch.randint(0, 32, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _ops_by_path(traced):
+    return collections.Counter((str(n.target), n.meta.get(MODULE_PATH))
+                               for n in traced.graph_module.graph.nodes
+                               if n.op == "call_function")
+
+
+def test_identical_blocks_are_traced_once_and_compute_what_a_full_trace_computes():
+    torch.manual_seed(0)
+    model = _lm([Block(16) for _ in range(6)])
+    idx = _idx()
+    shared, full = _trace(model, idx), _trace(model, idx, share=False)
+    assert shared.copied == tuple(f"h.{i}" for i in range(1, 6))
+    assert full.copied == ()
+    # The same ops, each attributed to the same module, as tracing every block gives.
+    assert _ops_by_path(shared) == _ops_by_path(full)
+    expected = model(idx)
+    torch.testing.assert_close(_run_traced_graph(shared, model, (idx,), {}), expected,
+                               rtol=0, atol=1e-12)
+    # Every block is a unit of its own, as before.
+    roots = find_unit_roots(model)
+    assert [u.name for u in assign_layers(shared, roots).units] == \
+        [u.name for u in assign_layers(full, roots).units]
+
+
+def test_copies_keep_dynamic_shapes():
+    model = _lm([Block(16) for _ in range(4)])
+    traced = _trace(model, _idx(2, 8))
+    assert traced.method == "export" and traced.copied
+    for batch, seq in [(3, 5), (1, 11)]:
+        idx = _idx(batch, seq)
+        torch.testing.assert_close(_run_traced_graph(traced, model, (idx,), {}), model(idx),
+                                   rtol=0, atol=1e-12)
+
+
+def test_blocks_that_differ_in_an_attribute_are_traced_apart():
+    model = _lm([Block(16, kind="gelu" if i % 2 else "relu") for i in range(6)])
+    idx = _idx()
+    traced = _trace(model, idx)
+    assert set(traced.copied) == {"h.2", "h.3", "h.4", "h.5"}
+    torch.testing.assert_close(_run_traced_graph(traced, model, (idx,), {}), model(idx),
+                               rtol=0, atol=1e-12)
+
+
+class DoublingBlock(Block):
+    """Reads its per-layer index in forward: every third block doubles its input."""
+
+    def forward(self, x, scale=1.0):
+        if self.layer_idx % 3 == 0:
+            x = x * 2
+        return super().forward(x)
+
+
+def test_a_per_layer_index_is_compared_by_what_the_block_computes():
+    # layer_idx makes every block look different; the blocks whose index changes nothing
+    # (plain Block) are still shared, those where it does are traced apart.
+    plain = _lm([Block(16, index=i) for i in range(5)])
+    idx = _idx()
+    assert _trace(plain, idx).copied == ("h.1", "h.2", "h.3", "h.4")
+    doubling = _lm([DoublingBlock(16, index=i) for i in range(6)])
+    traced = _trace(doubling, idx)
+    # 0 and 3 double, the others do not: two traced blocks, the rest copies.
+    assert set(traced.copied) == {"h.2", "h.3", "h.4", "h.5"}
+    torch.testing.assert_close(_run_traced_graph(traced, doubling, (idx,), {}),
+                               doubling(idx), rtol=0, atol=1e-12)
+
+
+class InPlaceBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        x.mul_(0.5)  # writes the caller's tensor
+        return self.lin(x)
+
+
+class SumOfBlocks(nn.Module):
+    """Reads each block's input after the block ran, so an in-place write is visible."""
+
+    def __init__(self, n: int, d: int = 8) -> None:
+        super().__init__()
+        self.h = nn.ModuleList([InPlaceBlock(d) for _ in range(n)])
+
+    def forward(self, x):
+        x = x.clone()
+        total = 0
+        for block in self.h:
+            y = block(x)
+            total = total + x
+            x = y
+        return total + x
+
+
+def test_a_block_writing_its_input_is_traced_normally():
+    torch.manual_seed(0)
+    model = SumOfBlocks(4).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    traced = trace(model, (x,), leaf_modules=find_unit_roots(model))
+    assert traced.copied == ()
+    torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x.clone()),
+                               rtol=0, atol=1e-12)
+
+
+class NormBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return self.bn(self.lin(x)).relu()
+
+
+def test_a_block_updating_its_buffers_is_traced_normally():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[NormBlock(8) for _ in range(4)]).double().train()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    shared = trace(model, (x,), leaf_modules=find_unit_roots(model))
+    full = trace(model, (x,), leaf_modules=find_unit_roots(model), share_blocks=False)
+    assert shared.copied == ()  # its fingerprint saw the running statistics written
+
+    def writes(traced):
+        return sorted(m for n in traced.graph_module.graph.nodes for m in n.meta.get(MUTATES, ()))
+
+    assert len(writes(shared)) == 12 and writes(shared) == writes(full)
+    assert shared.buffer_updates == full.buffer_updates
+    reference = copy.deepcopy(model)
+    torch.testing.assert_close(_run_traced_graph(shared, model, (x,), {}), reference(x),
+                               rtol=0, atol=1e-12)
+
+
+class SharedInside(nn.Module):
+    """Every block holds the same projection module (weight sharing across blocks)."""
+
+    def __init__(self, shared: nn.Linear, d: int) -> None:
+        super().__init__()
+        self.shared = shared
+        self.own = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.own(self.shared(x)).tanh()
+
+
+def test_a_module_shared_by_every_block_stays_one_state_slot():
+    torch.manual_seed(0)
+    common = nn.Linear(8, 8)
+    model = nn.Sequential(*[SharedInside(common, 8) for _ in range(4)]).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    traced = trace(model, (x,), leaf_modules=find_unit_roots(model))
+    # Block 0's input (the user's) does not require grad, the others' do: two traces.
+    assert traced.copied == ("2", "3")
+    assert sum(1 for s in traced.state if s.fqn.endswith("shared.weight")) == 1
+    torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
+                               rtol=0, atol=1e-12)
+
+
+def test_cost_estimates_count_every_copy():
+    """The cost pass reuses fake results across copies; the FLOPs must still add up to what
+    FlopCounterMode counts on the eager model."""
+    model = _lm([Block(16) for _ in range(5)])
+    idx = _idx(2, 8)
+    with FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
+        model(idx)
+    analysis = analyze(model, (idx,))
+    assert sum(u.fwd_flops for u in analysis.report.units) == counter.get_total_flops()
+    per_block = [u.fwd_flops for u, unit in zip(analysis.report.units, analysis.units)
+                 if unit.name.startswith("h.")]
+    assert len(per_block) == 5 and len(set(per_block)) == 1 and per_block[0] > 0
+
+
+def test_share_blocks_can_be_turned_off(monkeypatch):
+    import roundpipe
+    import roundpipe.compiler
+    seen = []
+
+    def spy(*args, **kwargs):
+        traced = trace(*args, **kwargs)
+        seen.append(traced.copied)
+        return traced
+
+    monkeypatch.setattr(roundpipe.compiler, "trace", spy)
+    model = _lm([Block(16) for _ in range(3)])
+    idx = _idx(4, 8)
+    for share in (False, True):
+        pipe = roundpipe.compile(model, (idx,), devices=["cpu"] * 2, share_blocks=share)
+        torch.testing.assert_close(pipe(idx), model(idx), rtol=0, atol=1e-12)
+        pipe.close()
+    assert seen == [(), ("h.1", "h.2")]
+    with pytest.raises(ConfigError, match="share_blocks"):
+        roundpipe.RoundPipe(model, share_blocks="yes")
