@@ -259,3 +259,44 @@ def test_share_blocks_can_be_turned_off(monkeypatch):
     assert seen == [(), ("h.1", "h.2")]
     with pytest.raises(ConfigError, match="share_blocks"):
         roundpipe.RoundPipe(model, share_blocks="yes")
+
+
+class Chain(nn.Module):
+    """Four look-alike blocks; ``narrow`` feeds the last one half the features of a wider
+    input (so it must be traced itself), ``peek`` reads a late block's weight directly."""
+
+    def __init__(self, narrow: bool = False, peek: bool = False, tie: bool = False) -> None:
+        super().__init__()
+        self.h = nn.ModuleList([SharedInside(nn.Linear(8, 8), 8) for _ in range(5)])
+        self.out = nn.Linear(8, 8)
+        if tie:  # a weight of the last block is also the output layer's
+            self.out.weight = self.h[4].own.weight
+        self.narrow, self.peek = narrow, peek
+
+    def forward(self, x):
+        x = self.h[0](x)
+        for block in self.h[1:4]:
+            x = block(x)
+        x = self.h[4](x[:-1] if self.narrow else x)
+        y = self.out(x)
+        return y + self.h[3].own.weight.sum() if self.peek else y
+
+
+@pytest.mark.parametrize("case, copied", [
+    ({}, ("h.2", "h.3", "h.4")),
+    ({"narrow": True}, ("h.2", "h.3")),   # h.4 is traced: its state cannot stay hidden
+    ({"peek": True}, ("h.2", "h.3", "h.4")),  # forward reads hidden state: traced again
+    ({"tie": True}, ("h.2", "h.3", "h.4")),   # the tied weight stays visible
+])
+def test_hidden_state_of_copies_comes_back_as_placeholders(case, copied):
+    torch.manual_seed(0)
+    model = Chain(**case).double()
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    traced = trace(model, (x,), leaf_modules=find_unit_roots(model))
+    full = trace(model, (x,), leaf_modules=find_unit_roots(model), share_blocks=False)
+    assert traced.copied == copied
+    # Every parameter has exactly one state slot, named as tracing everything names it.
+    assert sorted(s.fqn for s in traced.state) == sorted(s.fqn for s in full.state)
+    assert {s.name for s in traced.state} == {s.name for s in full.state}
+    torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
+                               rtol=0, atol=1e-12)

@@ -19,6 +19,12 @@ wrapper that does this instead::
     # 4. after export (splice_blocks), each block_call becomes a copy of h.0's nodes that
     #    reads h.1's inputs and parameters, and the markers are removed.
 
+Export also spends as long on each parameter as on a few ops (a fake copy, a placeholder),
+so the state of the blocks that will be copies is hidden from it (``hide_state``): it is
+taken out of their modules while export runs, and :func:`add_hidden_state` gives it
+placeholders afterwards.  Should such a block have to be traced after all (its inputs
+differ from its look-alikes'), :class:`SharingFailed` asks for a trace without hiding.
+
 A block that writes to its inputs, its state or any tensor it did not create (BatchNorm
 running statistics, a call counter), or that cannot run on static fake tensors, is traced
 normally: only pure functions of (inputs, state) are copied.
@@ -58,6 +64,15 @@ class _Site:
     rep: int | None = None  # site id of the traced block this call copies (None: traced)
     out_spec: Any = None
     out_leaves: list[Any] = field(default_factory=list)  # fake tensors or constants
+
+
+@dataclass
+class SharedTrace:
+    """What :func:`shared_blocks` learnt while export ran."""
+
+    sites: dict[int, _Site] = field(default_factory=dict)
+    # State taken out of the modules while export ran: (fully-qualified name, tensor, kind).
+    hidden: list[tuple[str, torch.Tensor, str]] = field(default_factory=list)
 
 
 _SITES: dict[int, _Site] = {}
@@ -313,16 +328,19 @@ def repeated_groups(model: torch.nn.Module, roots: tuple[str, ...]) -> tuple[str
 
 
 @contextlib.contextmanager
-def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...]
-                  ) -> Iterator[dict[int, _Site]]:
+def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...], hide_state: bool = False
+                  ) -> Iterator[SharedTrace]:
     """While active, the blocks at ``paths`` trace once per distinct computation.
 
-    Yields the sites export traced; :func:`splice_blocks` needs them.
+    Yields a :class:`SharedTrace`, filled in as export runs; :func:`add_hidden_state` and
+    :func:`splice_blocks` need it.  With ``hide_state``, the state of every block but the
+    first two of each look-alike group is hidden from export.
     """
+    result = SharedTrace()
     if not paths:
-        yield {}
+        yield result
         return
-    used: dict[int, _Site] = {}
+    used = result.sites
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # one for every run: its cache helps
     traced_once: dict[Any, int] = {}
     unshareable: set[Any] = set()
@@ -333,6 +351,13 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...]
     real_state = {p: dict(itertools.chain(
         model.get_submodule(p).named_parameters(remove_duplicate=False),
         model.get_submodule(p).named_buffers(remove_duplicate=False))) for p in paths}
+    hidden_blocks: set[str] = set()
+    if hide_state:
+        seen: dict[Any, int] = {}
+        for p in paths:
+            seen[attributes[p]] = seen.get(attributes[p], 0) + 1
+            if attribute_counts[attributes[p]] > 1 and seen[attributes[p]] > 2:
+                hidden_blocks.add(p)
 
     def make_forward(path: str, module: torch.nn.Module) -> Callable[..., Any]:
         inner = module.forward
@@ -343,6 +368,8 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...]
                 shapes = (str(in_spec), tuple(_shape_key(x) for x in flat))
             key = (attributes[path], shapes)
             unique = attribute_counts[attributes[path]] == 1
+            if path in hidden_blocks and (key not in traced_once or key in unshareable):
+                raise SharingFailed(f"{path} has to be traced, but its state is hidden")
             if unique or key not in traced_once:
                 # The first of a look-alike group is checked for writes to what it did
                 # not make (nothing is copied if it does); a block no other looks like (a
@@ -387,10 +414,79 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...]
             for path in paths:
                 module = model.get_submodule(path)
                 stack.enter_context(replaced_forward(module, make_forward(path, module)))
-            yield used
+            if hidden_blocks:
+                stack.enter_context(_hidden_state(model, hidden_blocks, result.hidden))
+            yield result
     finally:
         for sid in used:
             _SITES.pop(sid, None)
+
+
+@contextlib.contextmanager
+def _hidden_state(model: torch.nn.Module, blocks: set[str],
+                  hidden: list[tuple[str, torch.Tensor, str]]) -> Iterator[None]:
+    """Take the state only ``blocks`` hold out of their modules (appending it to
+    ``hidden``), and put it back on exit.  Modules and tensors that anything else in the
+    model also holds (a shared projection, a tied weight) stay."""
+    elsewhere_modules: set[int] = set()
+    elsewhere_tensors: set[int] = set()
+
+    def visit(module: torch.nn.Module, path: str) -> None:
+        if path in blocks or id(module) in elsewhere_modules:
+            return
+        elsewhere_modules.add(id(module))
+        elsewhere_tensors.update(id(t) for t in itertools.chain(
+            module._parameters.values(), module._buffers.values()) if t is not None)
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+    saved: list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]] = []
+    done: set[int] = set()
+    try:
+        for path in sorted(blocks):
+            for local, module in model.get_submodule(path).named_modules(
+                    prefix=path, remove_duplicate=False):
+                if id(module) in elsewhere_modules or id(module) in done:
+                    continue
+                done.add(id(module))
+                params, buffers = module._parameters, module._buffers
+                saved.append((module, params, buffers))
+                module._parameters = {k: v for k, v in params.items()
+                                      if v is None or id(v) in elsewhere_tensors}
+                module._buffers = {k: v for k, v in buffers.items()
+                                   if v is None or id(v) in elsewhere_tensors}
+                for kind, before, after in (("parameter", params, module._parameters),
+                                            ("buffer", buffers, module._buffers)):
+                    hidden.extend((f"{local}.{k}", v, kind) for k, v in before.items()
+                                  if k not in after)
+        yield
+    finally:
+        for module, params, buffers in saved:
+            module._parameters, module._buffers = params, buffers
+
+
+def add_hidden_state(gm: torch.fx.GraphModule, hidden: list[tuple[str, torch.Tensor, str]],
+                     first_input: torch.fx.Node | None
+                     ) -> dict[torch.fx.Node, tuple[str, torch.Tensor, str]]:
+    """Give every hidden tensor a placeholder among the state placeholders (before
+    ``first_input``, the first user input, as export orders them); a tensor held under two
+    names gets one."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    made: dict[torch.fx.Node, tuple[str, torch.Tensor, str]] = {}
+    seen: set[int] = set()
+    for fqn, tensor, kind in hidden:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        name = ("p_" if kind == "parameter" else "b_") + fqn.replace(".", "_")
+        with graph.inserting_before(first_input) if first_input is not None \
+                else graph.inserting_after(placeholders[-1]):
+            node = graph.placeholder(name)
+        made[node] = (fqn, tensor, kind)
+    return made
 
 
 # --- after export ------------------------------------------------------------------------

@@ -48,7 +48,8 @@ from ..plan import InputSignature, OutputRef, StateSpec
 from ..runtime.modcall import call_module_functional
 from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
-from .shared_blocks import SharingFailed, repeated_groups, shared_blocks, splice_blocks
+from .shared_blocks import (SharingFailed, add_hidden_state, repeated_groups, shared_blocks,
+                            splice_blocks)
 
 log = logging.getLogger(__name__)
 
@@ -215,9 +216,15 @@ def _describe_leaves(model: torch.nn.Module, paths: tuple[str, ...]) -> str:
 def _trace_export_sharing(model: torch.nn.Module, args: tuple[Any, ...],
                           kwargs: dict[str, Any], dynamic: bool,
                           shared: tuple[str, ...]) -> TracedGraph:
-    """Export with the ``shared`` blocks traced once per distinct computation; export
-    again without sharing when the result cannot be spliced."""
+    """Export with the ``shared`` blocks traced once per distinct computation and the
+    copies' state hidden from export; without hiding when a copy had to be traced after
+    all (or its missing state was read), without sharing when the result cannot be
+    spliced."""
     if shared:
+        try:
+            return _trace_export(model, args, kwargs, dynamic, shared=shared, hide_state=True)
+        except (SharingFailed, AttributeError) as e:
+            log.info("roundpipe: tracing again with every block's state visible: %s", e)
         try:
             return _trace_export(model, args, kwargs, dynamic, shared=shared)
         except SharingFailed as e:
@@ -227,11 +234,11 @@ def _trace_export_sharing(model: torch.nn.Module, args: tuple[Any, ...],
 
 def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                   dynamic: bool, leaves: tuple[str, ...] = (),
-                  shared: tuple[str, ...] = ()) -> TracedGraph:
+                  shared: tuple[str, ...] = (), hide_state: bool = False) -> TracedGraph:
     hook = model.register_forward_hook(_register_output_dataclasses)
     try:
         with leaves_as_custom_ops(model, leaves, args, kwargs) as sites, \
-                shared_blocks(model, shared) as blocks, _packed_forward(model):
+                shared_blocks(model, shared, hide_state) as blocks, _packed_forward(model):
             # The model is called as model((args, kwargs)): export then never binds
             # (args, kwargs) to a forward(*args, **kwargs) signature itself, which in torch
             # 2.13 breaks dynamic shapes (PEFT's PeftModel.forward is one such signature).
@@ -245,15 +252,24 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             ep = _quiet_export(model, ((args, kwargs),), {}, dynamic_shapes)
             gm = ep.graph_module
             sig = ep.graph_signature
-            copied = splice_blocks(gm, blocks, _state_lookup(model, gm, sig)) if blocks \
-                else ()
+            graph = gm.graph
+            specs: dict[torch.fx.Node, Any] = dict(zip(
+                [n for n in graph.nodes if n.op == "placeholder"], sig.input_specs))
+            tensor_of = _state_lookup(model, specs)
+            first_input = next((n for n, s in specs.items()
+                                if s.kind == InputKind.USER_INPUT), None)
+            for node, (fqn, tensor, kind) in add_hidden_state(gm, blocks.hidden,
+                                                              first_input).items():
+                specs[node] = _HiddenSpec(InputKind.PARAMETER if kind == "parameter"
+                                          else InputKind.BUFFER, fqn)
+                tensor_of[node] = tensor
+            copied = splice_blocks(gm, blocks.sites, tensor_of) if blocks.sites else ()
             if copied:
                 log.info("roundpipe: traced %d of %d repeated blocks, copied the rest",
-                         len(blocks) - len(copied), len(blocks))
+                         len(blocks.sites) - len(copied), len(blocks.sites))
     finally:
         hook.remove()
         _clear_dim_markers((args, kwargs))
-    graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
 
     # State slots, deduplicated by tensor identity (tied weights keep one placeholder).
@@ -263,7 +279,8 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     constants: dict[str, torch.Tensor] = {}
     state_tensors: dict[str, torch.Tensor] = {}
     user_inputs: list[torch.fx.Node] = []
-    for node, spec in zip(placeholders, sig.input_specs):
+    for node in placeholders:
+        spec = specs[node]
         if spec.kind == InputKind.USER_INPUT:
             user_inputs.append(node)
             continue
@@ -356,12 +373,19 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     )
 
 
-def _state_lookup(model: torch.nn.Module, gm: torch.fx.GraphModule,
-                  sig: Any) -> dict[torch.fx.Node, torch.Tensor]:
+@dataclass(frozen=True)
+class _HiddenSpec:
+    """The input spec of a placeholder added for state hidden from export."""
+
+    kind: InputKind
+    target: str
+
+
+def _state_lookup(model: torch.nn.Module, specs: dict[torch.fx.Node, Any]
+                  ) -> dict[torch.fx.Node, torch.Tensor]:
     """The model parameter or buffer behind each exported state placeholder."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_node: dict[torch.fx.Node, torch.Tensor] = {}
-    for node, spec in zip(placeholders, sig.input_specs):
+    for node, spec in specs.items():
         if spec.kind == InputKind.PARAMETER:
             by_node[node] = model.get_parameter(spec.target)
         elif spec.kind == InputKind.BUFFER:
