@@ -5,7 +5,9 @@ what the model does (and what a trace of every block does)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import logging
 
 import pytest
 import torch
@@ -75,11 +77,15 @@ def _ops_by_path(traced):
                                if n.op == "call_function")
 
 
-def test_identical_blocks_are_traced_once_and_compute_what_a_full_trace_computes():
+def test_identical_blocks_are_traced_once_and_compute_what_a_full_trace_computes(caplog):
     torch.manual_seed(0)
     model = _lm([Block(16) for _ in range(6)])
     idx = _idx()
-    shared, full = _trace(model, idx), _trace(model, idx, share=False)
+    with caplog.at_level(logging.INFO, logger="roundpipe.passes.trace"):
+        shared = _trace(model, idx)
+    # One export: the copies' state stayed hidden from it, nothing was traced again.
+    assert not [r for r in caplog.records if "again" in r.getMessage()]
+    full = _trace(model, idx, share=False)
     assert shared.copied == tuple(f"h.{i}" for i in range(1, 6))
     assert full.copied == ()
     # The same ops, each attributed to the same module, as tracing every block gives.
@@ -300,3 +306,234 @@ def test_hidden_state_of_copies_comes_back_as_placeholders(case, copied):
     assert {s.name for s in traced.state} == {s.name for s in full.state}
     torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
                                rtol=0, atol=1e-12)
+
+
+# --- models that must not be copied wrongly (from an adversarial review) ---------------
+
+class Small(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + x
+
+
+class Stack(nn.Module):
+    """``pre`` then the blocks, called by ``run(self, x)`` (each case its own loop)."""
+
+    def __init__(self, blocks, run=None, **extra) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.h = nn.ModuleList(blocks)
+        self.run = run
+        for k, v in extra.items():
+            setattr(self, k, v)
+
+    def forward(self, x, *rest):
+        x = self.pre(x)
+        if self.run is not None:
+            return self.run(self, x, *rest)
+        for b in self.h:
+            x = b(x)
+        return x
+
+
+class Tied(Small):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.fc2 = nn.Linear(8, 8)
+        if tie:
+            self.fc2.weight = self.fc.weight
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc(x))) + x
+
+
+class Tempered(Small):
+    temp = 1.0
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) / self.temp)
+
+
+def _set_temperature(self, x):
+    for i, b in enumerate(self.h):
+        b.temp = 1.0 + i  # the parent changes an attribute before each call
+        x = b(x)
+    return x
+
+
+def _middle_no_grad(self, x):
+    for i, b in enumerate(self.h):
+        with torch.no_grad() if i == 1 else contextlib.nullcontext():
+            x = b(x)
+    return x
+
+
+class Caching(Small):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:  # a lazily built table, kept on the module
+            self.cache = torch.linspace(0, 1, x.shape[-1], dtype=x.dtype)
+        return torch.tanh(self.fc(x)) * self.cache + x
+
+
+class Counting(Small):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.fc(x)) * self.calls + x
+
+
+class Context:
+    mask = None
+
+
+class ReadsContext(Small):
+    def __init__(self, ctx) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) * self.ctx.mask
+
+
+def _switch_context(self, x):
+    for i, b in enumerate(self.h):
+        self.ctx.mask = self.tables[i]  # a different tensor for every call
+        x = b(x)
+    return x
+
+
+class ReturnsGate(Small):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + x, self.gate  # a parameter no op reads
+
+
+def _apply_gates(self, x):
+    for b in self.h:
+        x, g = b(x)
+        x = x * g
+    return x
+
+
+class Scale:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class Scaled(Small):
+    def forward(self, x, p):
+        return x + torch.tanh(self.fc(x)) * p.scale
+
+
+def _fresh_objects(self, x):
+    for i, b in enumerate(self.h):
+        x = b(x, Scale(1.0 + i))  # freed after the call: its id is reused by the next
+    return x
+
+
+class Eps(Small):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return x + torch.atan(1.0 / torch.full_like(x, self.eps)) * torch.tanh(self.fc(x))
+
+
+def _weight_norm_term(self, x):
+    for b in self.h:
+        x = b(x)
+    return x, sum(p.square().sum() for p in self.parameters())
+
+
+def _add_bias_hook(module, args, out):
+    bias = getattr(module.fc, "bias", None)
+    return out if bias is None else out + bias
+
+
+def _hooked():
+    blocks = [Small() for _ in range(5)]
+    for b in blocks:
+        b.register_forward_hook(_add_bias_hook)
+    return blocks
+
+
+class Horizon(Small):
+    def __init__(self, n_ctx) -> None:
+        super().__init__()
+        self.n_ctx = n_ctx
+
+    def forward(self, x):
+        n = x.shape[1] if self.n_ctx is None else self.n_ctx
+        return x + torch.tanh(self.fc(x)) / n
+
+
+def _context_stack():
+    ctx = Context()
+    return Stack([ReadsContext(ctx) for _ in range(4)], _switch_context, ctx=ctx,
+                 tables=[torch.rand(8, dtype=torch.float64) for _ in range(4)])
+
+
+ADVERSARIAL = {
+    "tied weights in the first block": lambda: Stack([Tied(i == 0) for i in range(4)]),
+    "attribute set before each call": lambda: Stack([Tempered() for _ in range(4)],
+                                                    _set_temperature),
+    "one block under no_grad": lambda: Stack([Small() for _ in range(4)], _middle_no_grad),
+    "lazy cache attribute": lambda: Stack([Caching() for _ in range(4)]),
+    "call counter attribute": lambda: Stack([Counting() for _ in range(4)]),
+    "tensor read from a context": lambda: _context_stack(),
+    "returns its own parameter": lambda: Stack([ReturnsGate() for _ in range(4)],
+                                               _apply_gates),
+    "fresh argument objects": lambda: Stack([Scaled() for _ in range(4)], _fresh_objects),
+    "0.0 and -0.0": lambda: Stack([Eps(e) for e in (0.0, 0.0, -0.0, -0.0)]),
+    "forward iterates parameters": lambda: Stack([Small() for _ in range(5)],
+                                                 _weight_norm_term),
+    "hook probes hidden state": lambda: Stack(_hooked()),
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_blocks_that_differ_in_ways_attributes_hide_are_not_copied_wrongly(name):
+    torch.manual_seed(0)
+    make = ADVERSARIAL[name]
+    model = make().double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    traced = trace(model, (x,), leaf_modules=find_unit_roots(model))
+    with torch.no_grad():
+        got = _run_traced_graph(traced, copy.deepcopy(reference), (x,), {})
+        expected = copy.deepcopy(reference)(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    # Tracing left the model's attributes as tracing every block leaves them (a fake run
+    # sets nothing for good).
+    unshared = copy.deepcopy(reference)
+    trace(unshared, (x,), leaf_modules=find_unit_roots(unshared), share_blocks=False)
+    for ours, theirs in zip(model.modules(), unshared.modules()):
+        assert vars(ours).keys() == vars(theirs).keys()
+        assert {k: v for k, v in vars(ours).items() if isinstance(v, (int, float))} == \
+            {k: v for k, v in vars(theirs).items() if isinstance(v, (int, float))}
+
+
+def test_a_constant_equal_to_the_example_size_is_not_the_size():
+    torch.manual_seed(0)
+    model = Stack([Horizon(None), Horizon(8)]).double()
+    traced = trace(model, (torch.randn(2, 8, 8, dtype=torch.float64),),
+                   leaf_modules=find_unit_roots(model))
+    assert traced.method == "export" and traced.copied == ()
+    for seq in (8, 12):
+        x = torch.randn(2, seq, 8, dtype=torch.float64)
+        torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
+                                   rtol=0, atol=1e-12)

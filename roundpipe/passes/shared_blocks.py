@@ -1,33 +1,32 @@
 """Trace each distinct repeated block once and copy its graph into the others.
 
 ``torch.export`` costs tens of milliseconds per traced op (fake tensors, symbolic shapes,
-functionalization), so a 512-layer model takes most of a minute, nearly all of it spent
-re-tracing identical blocks.  While export runs, every repeated block's ``forward`` is a
-wrapper that does this instead::
+functionalization) and about as much per parameter, so a 512-layer model takes most of a
+minute, nearly all of it spent re-tracing identical blocks.  While export runs, every
+repeated block's ``forward`` is a wrapper that does this instead::
 
-    # 1. fingerprint: run the block on static fake tensors under a recording dispatch
-    #    mode; every aten op is recorded with its arguments (a tensor by where it came
-    #    from: input i, parameter "attn.qkv.weight", output j of op k; anything else by
-    #    value or identity).  Same fingerprint and same symbolic input shapes: the same
-    #    exported nodes, whatever the block's Python looked like.
+    # 1. key the call: the block's attribute key and the symbolic layout of its inputs
+    #    (roundpipe.passes.block_keys); a block no other looks like (a per-layer index)
+    #    is keyed by the fingerprint of what it computes instead.
     # 2. the first block with a new key is traced for real, between two marker ops:
     h_0_in = roundpipe.block_enter([x], site=0)
     ...                                        # the aten ops of h.0
     h_0_out = roundpipe.block_exit([add_3], site=0)
     # 3. a later block with the same key is one op, its fake outputs shaped like h.0's:
-    h_1_out = roundpipe.block_call([add_3, p_h_1_ln_1_weight, ...], site=1)
+    h_1_out = roundpipe.block_call([add_3], site=1)
     # 4. after export (splice_blocks), each block_call becomes a copy of h.0's nodes that
     #    reads h.1's inputs and parameters, and the markers are removed.
 
-Export also spends as long on each parameter as on a few ops (a fake copy, a placeholder),
-so the state of the blocks that will be copies is hidden from it (``hide_state``): it is
+The state of the blocks that will be copies is hidden from export (``hide_state``): it is
 taken out of their modules while export runs, and :func:`add_hidden_state` gives it
 placeholders afterwards.  Should such a block have to be traced after all (its inputs
-differ from its look-alikes'), :class:`SharingFailed` asks for a trace without hiding.
+differ from its look-alikes'), or should the model's own code read that state,
+:class:`SharingFailed` asks for a trace without hiding; a graph that cannot be spliced
+(a block reads a value it was neither passed nor holds) asks for one without sharing.
 
-A block that writes to its inputs, its state or any tensor it did not create (BatchNorm
-running statistics, a call counter), or that cannot run on static fake tensors, is traced
-normally: only pure functions of (inputs, state) are copied.
+Blocks that are not shareable (they write their inputs or state, read tensors they were
+not passed, set attributes; see ``block_keys``), and blocks called under ``no_grad`` or
+autocast (export wraps those regions into sub-graphs), are traced normally.
 """
 
 from __future__ import annotations
@@ -42,9 +41,9 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from .block_keys import (WRAPPER_MARK, attribute_key, fingerprint, has_symbolic_size,
+                         input_key, outside_export, state_layout)
 from .leaves import replaced_forward
 
 log = logging.getLogger(__name__)
@@ -117,214 +116,88 @@ _EXIT = torch.ops.roundpipe.block_exit.default
 _CALL = torch.ops.roundpipe.block_call.default
 
 
-class _NotShareable(Exception):
-    """This block call is traced normally."""
-
-
-# --- fingerprints ------------------------------------------------------------------------
-
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format, type(Ellipsis))
-
-
-_METADATA_QUERIES = frozenset(getattr(torch.ops.prim, name).default
-                              for name in ("device", "layout") if hasattr(torch.ops.prim, name))
-
-
-class _Recorder(TorchDispatchMode):
-    """Records every aten op with its arguments described by provenance."""
-
-    def __init__(self, refs: dict[int, Any], guarded: set[Any]) -> None:
-        super().__init__()
-        self.refs = refs          # tensor id -> provenance
-        self.guarded = guarded    # storages the block must not write (inputs, state)
-        self.ops: list[Any] = []
-        self.keep: list[Any] = []  # keeps every described tensor alive: ids stay unique
-
-    def describe(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            ref = self.refs.get(id(x))
-            if ref is None:  # a tensor the block did not get or make: same object only
-                self.keep.append(x)
-                ref = self.refs[id(x)] = ("ext", id(x))
-            return ref
-        if isinstance(x, _PLAIN):
-            return (type(x).__name__, x)
-        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise _NotShareable("symbolic value inside a fake run")
-        return ("obj", type(x).__qualname__, id(x))
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _METADATA_QUERIES:  # x.device and the like: no node in any graph
-            return func(*args, **kwargs)
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        schema = func._schema
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in pytree.tree_leaves(value):
-                    if isinstance(t, torch.Tensor) and (
-                            self.refs.get(id(t), ("ext",))[0] == "ext"
-                            or _storage(t) in self.guarded):
-                        raise _NotShareable(f"{func} writes a tensor the block did not make")
-        record = (func, str(spec), torch.is_grad_enabled(),
-                  tuple(self.describe(x) for x in flat))
-        out = func(*args, **kwargs)
-        k = len(self.ops)
-        for j, t in enumerate(pytree.tree_leaves(out)):
-            if isinstance(t, torch.Tensor):
-                self.refs.setdefault(id(t), ("op", k, j))
-                self.keep.append(t)
-        self.ops.append(record)
-        return out
-
-
-def _storage(t: torch.Tensor) -> Any:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _hint(x: Any) -> Any:
-    if isinstance(x, torch.SymInt):
-        hint = x.node.hint
-        if hint is None:
-            raise _NotShareable("a data-dependent size")
-        return int(hint)
-    return x
-
-
-# nn.Module's own __call__ and __getattr__: export's tracer patches the class while it
-# runs, to track which module each op comes from.
-_MODULE_CALL = torch.nn.Module.__call__
-_MODULE_GETATTR = torch.nn.Module.__getattr__
-
-
-@contextlib.contextmanager
-def _outside_export() -> Iterator[None]:
-    """Step out of export's tracing for a private fake run: its modes, and its patches of
-    nn.Module (an exception inside a patched call would leave its module stack
-    unbalanced).  Nothing done here reaches export's graph."""
-    function_modes = []
-    while torch._C._len_torch_function_stack() > 0:
-        function_modes.append(torch._C._pop_torch_function_stack())
-    patched = (torch.nn.Module.__call__, torch.nn.Module.__getattr__)
-    torch.nn.Module.__call__ = _MODULE_CALL  # type: ignore[method-assign]
-    torch.nn.Module.__getattr__ = _MODULE_GETATTR  # type: ignore[method-assign]
-    try:
-        with _disable_current_modes():
-            yield
-    finally:
-        torch.nn.Module.__call__, torch.nn.Module.__getattr__ = patched  # type: ignore
-        for mode in reversed(function_modes):
-            torch._C._push_on_torch_function_stack(mode)
-
-
-def _fingerprint(mode: FakeTensorMode, forward: Callable[..., Any], module: torch.nn.Module,
-                 state: dict[str, torch.Tensor], flat: list[Any], in_spec: Any) -> Any:
-    """What the block computes on these inputs, as a hashable value (see module doc)."""
-    with _outside_export():
-        refs: dict[int, Any] = {}
-        fake_state: dict[str, torch.Tensor] = {}
-        by_id: dict[int, torch.Tensor] = {}
-        inputs: list[Any] = []
-        with mode:
-            # Values never matter to a fake run: empty tensors of the right layout will do
-            # (and cost a fraction of converting the real ones).
-            for name, real in state.items():
-                if id(real) not in by_id:
-                    by_id[id(real)] = _empty_like(real, real.shape, real.stride())
-                    refs[id(by_id[id(real)])] = ("state", name)
-                fake_state[name] = by_id[id(real)]
-            for i, x in enumerate(flat):
-                if isinstance(x, torch.Tensor):
-                    x = _empty_like(x, [_hint(s) for s in x.shape],
-                                    [_hint(s) for s in x.stride()])
-                    refs[id(x)] = ("in", i)
-                inputs.append(x)
-        guarded = {_storage(t) for t in itertools.chain(fake_state.values(), inputs)
-                   if isinstance(t, torch.Tensor)}
-        recorder = _Recorder(refs, guarded)
-        recorder.keep.extend(inputs)
-        args, kwargs = pytree.tree_unflatten(inputs, in_spec)
-        with _reparametrize_module(module, fake_state), mode, recorder:
-            out = forward(*args, **kwargs)
-        out_flat, out_spec = pytree.tree_flatten(out)
-        return (tuple(recorder.ops), str(out_spec),
-                tuple(recorder.describe(x) for x in out_flat))
-
-
-def _empty_like(t: torch.Tensor, shape: Any, stride: Any) -> torch.Tensor:
-    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
-    if t.requires_grad:
-        out.requires_grad_(True)
-    return out
-
-
-# Module attributes that never change what forward computes.
-_IGNORED_ATTRIBUTES = frozenset({
-    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
-    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks"})
-
-
-def attribute_key(module: torch.nn.Module) -> Any:
-    """Everything about ``module`` and its submodules that forward's Python can see,
-    except parameter and buffer values: classes, state names and layouts, plain
-    attributes by value, any other attribute (a config, a function, a hook) by identity.
-    Two blocks with equal keys trace to the same graph on the same inputs."""
-    entries = []
-    for name, m in module.named_modules(remove_duplicate=False):
-        attrs = []
-        for key, value in vars(m).items():
-            if key in _IGNORED_ATTRIBUTES:
-                continue
-            if key.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) \
-                    and isinstance(value, dict):
-                value = tuple(value.values())  # handle ids differ; the functions matter
-            attrs.append((key, _value_key(value)))
-        state = tuple((n, tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
-                      for n, t in itertools.chain(m._parameters.items(), m._buffers.items())
-                      if t is not None)
-        entries.append((name, type(m), tuple(sorted(attrs, key=lambda a: a[0])), state))
-    return tuple(entries)
-
-
-def _value_key(value: Any) -> Any:
-    if isinstance(value, _PLAIN):
-        return (type(value).__name__, value)
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_value_key(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((_value_key(k), _value_key(v)) for k, v in value.items()))
-    return ("id", id(value))
-
-
-def _shape_key(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(str(s) for s in x.shape), tuple(str(s) for s in x.stride()),
-                x.dtype, str(x.device), x.requires_grad)
-    return ("const", type(x).__name__, x if isinstance(x, _PLAIN) else id(x))
-
-
 # --- during export -----------------------------------------------------------------------
+
+def _state_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(itertools.chain(module.named_parameters(remove_duplicate=False),
+                                module.named_buffers(remove_duplicate=False)))
+
 
 def repeated_groups(model: torch.nn.Module, roots: tuple[str, ...]) -> tuple[str, ...]:
     """The roots worth wrapping: blocks with at least one sibling of the same class and
-    parameter shapes (a block without one has nothing to share)."""
-    def key(path: str) -> Any:
-        m = model.get_submodule(path)
-        return (type(m), tuple((n, tuple(t.shape), t.dtype) for n, t in
-                               itertools.chain(m.named_parameters(remove_duplicate=False),
-                                               m.named_buffers(remove_duplicate=False))))
+    state layout (a block without one has nothing to share)."""
+    keys = {p: (type(model.get_submodule(p)), state_layout(_state_of(model.get_submodule(p))))
+            for p in roots}
     counts: dict[Any, int] = {}
-    keys = {p: key(p) for p in roots}
     for k in keys.values():
         counts[k] = counts.get(k, 0) + 1
     return tuple(p for p in roots if counts[keys[p]] > 1)
+
+
+class _Watch:
+    """Notices reads of hidden state by the model's own code while export traces it."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.touched: str | None = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        armed, self.armed = self.armed, False
+        try:
+            yield
+        finally:
+            self.armed = armed
+
+
+class _WatchedDict(dict):  # type: ignore[type-arg]
+    """A module's ``_parameters`` or ``_buffers`` with some entries hidden; any read while
+    the watch is armed is recorded (the model's code then saw the state missing)."""
+
+    def __init__(self, entries: dict[str, Any], watch: _Watch, path: str) -> None:
+        super().__init__(entries)
+        self._watch, self._path = watch, path
+
+    def _seen(self) -> None:
+        if self._watch.armed and self._watch.touched is None:
+            self._watch.touched = self._path
+
+    def __getitem__(self, key: Any) -> Any:
+        self._seen()
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self._seen()
+        return super().__contains__(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._seen()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._seen()
+        return super().__len__()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._seen()
+        return super().get(key, default)
+
+    def items(self) -> Any:
+        self._seen()
+        return super().items()
+
+    def keys(self) -> Any:
+        self._seen()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._seen()
+        return super().values()
+
+
+def _autocast_on() -> bool:
+    check = getattr(torch._C, "_is_any_autocast_enabled", None)
+    return bool(check()) if check is not None else torch.is_autocast_enabled()
 
 
 @contextlib.contextmanager
@@ -340,74 +213,111 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...], hide_state: bo
     if not paths:
         yield result
         return
-    used = result.sites
+    keep: list[Any] = []  # objects whose ids are in keys: no id is reused while we run
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # one for every run: its cache helps
+    grad_enabled = torch.is_grad_enabled()
     traced_once: dict[Any, int] = {}
     unshareable: set[Any] = set()
-    attributes = {p: ("attributes", attribute_key(model.get_submodule(p))) for p in paths}
-    attribute_counts: dict[Any, int] = {}
-    for key in attributes.values():
-        attribute_counts[key] = attribute_counts.get(key, 0) + 1
-    real_state = {p: dict(itertools.chain(
-        model.get_submodule(p).named_parameters(remove_duplicate=False),
-        model.get_submodule(p).named_buffers(remove_duplicate=False))) for p in paths}
+    real_state = {p: _state_of(model.get_submodule(p)) for p in paths}
+    layouts = {p: state_layout(real_state[p]) for p in paths}
+    looks = {p: (layouts[p], attribute_key(model.get_submodule(p), keep)) for p in paths}
+    counts: dict[Any, int] = {}
+    for key in looks.values():
+        counts[key] = counts.get(key, 0) + 1
     hidden_blocks: set[str] = set()
     if hide_state:
         seen: dict[Any, int] = {}
         for p in paths:
-            seen[attributes[p]] = seen.get(attributes[p], 0) + 1
-            if attribute_counts[attributes[p]] > 1 and seen[attributes[p]] > 2:
+            seen[looks[p]] = seen.get(looks[p], 0) + 1
+            if counts[looks[p]] > 1 and seen[looks[p]] > 2:
                 hidden_blocks.add(p)
 
     def make_forward(path: str, module: torch.nn.Module) -> Callable[..., Any]:
         inner = module.forward
 
         def forward(*f_args: Any, **f_kwargs: Any) -> Any:
-            flat, in_spec = pytree.tree_flatten((f_args, f_kwargs))
-            with _outside_export():  # reading shapes through export's modes is slow
-                shapes = (str(in_spec), tuple(_shape_key(x) for x in flat))
-            key = (attributes[path], shapes)
-            unique = attribute_counts[attributes[path]] == 1
-            if path in hidden_blocks and (key not in traced_once or key in unshareable):
+            with watch.paused():
+                traced = share(path, module, inner, f_args, f_kwargs)
+            return inner(*f_args, **f_kwargs) if traced is None else traced()
+        setattr(forward, WRAPPER_MARK, True)
+        return forward
+
+    def share(path: str, module: torch.nn.Module, inner: Callable[..., Any],
+              f_args: tuple[Any, ...], f_kwargs: dict[str, Any]
+              ) -> Callable[[], Any] | None:
+        """Decide how this call is traced: None to trace it normally, else a function
+        that traces it (between markers, or as one ``block_call``)."""
+        if torch.is_grad_enabled() != grad_enabled or _autocast_on():
+            # Export wraps such regions into sub-graphs, which are not spliced.
+            if path in hidden_blocks:
+                raise SharingFailed(f"{path} runs under no_grad or autocast")
+            return None
+        flat, in_spec = pytree.tree_flatten((f_args, f_kwargs))
+        with outside_export():  # reading shapes through export's modes is slow
+            # Attributes as they are now (a parent may set them before each call).
+            look = (layouts[path], attribute_key(module, keep))
+            shapes = (str(in_spec), tuple(input_key(x, keep) for x in flat))
+        key = (look, shapes)
+        unique = counts.get(look, 0) < 2
+        if unique or key not in traced_once:
+            if path in hidden_blocks:
                 raise SharingFailed(f"{path} has to be traced, but its state is hidden")
-            if unique or key not in traced_once:
-                # The first of a look-alike group is checked for writes to what it did
-                # not make (nothing is copied if it does); a block no other looks like (a
-                # per-layer index, say) is compared by what it computes instead.
-                if key in unshareable:
-                    return inner(*f_args, **f_kwargs)
-                try:
-                    computation = _fingerprint(mode, inner, module, real_state[path], flat,
-                                               in_spec)
-                except Exception as e:  # noqa: BLE001 - any failure: export traces it
-                    log.debug("roundpipe: %s is traced on its own: %s", path, e)
-                    unshareable.add(key)
-                    return inner(*f_args, **f_kwargs)
-                if unique:
-                    key = (computation, shapes)
-            tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-            site = _Site(path, len(tensor_pos), dict(real_state[path]))
-            sid = next(_NEXT_SITE)
-            _SITES[sid] = used[sid] = site
-            rep = traced_once.get(key)
-            if rep is None:
-                traced_once[key] = sid
-                entered = iter(block_enter([flat[i] for i in tensor_pos], sid))
-                flat = [next(entered) if isinstance(x, torch.Tensor) else x for x in flat]
-                args, kwargs = pytree.tree_unflatten(flat, in_spec)
-                out_flat, site.out_spec = pytree.tree_flatten(inner(*args, **kwargs))
-                exited = iter(block_exit([x for x in out_flat if isinstance(x, torch.Tensor)],
-                                         sid))
-                site.out_leaves = [next(exited) if isinstance(x, torch.Tensor) else x
-                                   for x in out_flat]
-                return pytree.tree_unflatten(site.out_leaves, site.out_spec)
-            site.rep = rep
+            if key in unshareable:
+                return None
+            # The first of a look-alike group is checked for writes to what it did not
+            # make; a block no other looks like (a per-layer index, say) is compared by
+            # what it computes instead.
+            try:
+                computed = fingerprint(mode, inner, module, real_state[path], flat, in_spec,
+                                       keep)
+                if unique and has_symbolic_size(flat):
+                    computed = (computed, fingerprint(mode, inner, module, real_state[path],
+                                                      flat, in_spec, keep, bump=True))
+            except Exception as e:  # noqa: BLE001 - any failure: export traces it
+                log.debug("roundpipe: %s is traced on its own: %s", path, e)
+                unshareable.add(key)
+                return None
+            if unique:
+                key = (computed, shapes)
+        tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        site = _Site(path, len(tensor_pos), real_state[path])
+        sid = next(_NEXT_SITE)
+        _SITES[sid] = result.sites[sid] = site
+        rep = traced_once.get(key)
+        if rep is None:
+            traced_once[key] = sid
+            return lambda: trace_between_markers(site, sid, inner, flat, in_spec, tensor_pos)
+        site.rep = rep
+        return lambda: copy_call(sid, rep, flat, tensor_pos)
+
+    def trace_between_markers(site: _Site, sid: int, inner: Callable[..., Any],
+                              flat: list[Any], in_spec: Any, tensor_pos: list[int]) -> Any:
+        entered = iter(block_enter([flat[i] for i in tensor_pos], sid))
+        flat = [next(entered) if isinstance(x, torch.Tensor) else x for x in flat]
+        args, kwargs = pytree.tree_unflatten(flat, in_spec)
+        out_flat, site.out_spec = pytree.tree_flatten(inner(*args, **kwargs))
+        with watch.paused():
+            exited = iter(block_exit([x for x in out_flat if isinstance(x, torch.Tensor)],
+                                     sid))
+            site.out_leaves = [next(exited) if isinstance(x, torch.Tensor) else x
+                               for x in out_flat]
+        return pytree.tree_unflatten(site.out_leaves, site.out_spec)
+
+    def copy_call(sid: int, rep: int, flat: list[Any], tensor_pos: list[int]) -> Any:
+        with watch.paused():
             outs = iter(block_call([flat[i] for i in tensor_pos], sid))
             template = _SITES[rep]
             return pytree.tree_unflatten(
                 [next(outs) if isinstance(x, torch.Tensor) else x for x in template.out_leaves],
                 template.out_spec)
-        return forward
+
+    watch = _Watch()
+
+    def arm(*_: Any) -> None:
+        watch.armed = True
+
+    def disarm(*_: Any) -> None:
+        watch.armed = False
 
     try:
         with contextlib.ExitStack() as stack:
@@ -415,16 +325,23 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...], hide_state: bo
                 module = model.get_submodule(path)
                 stack.enter_context(replaced_forward(module, make_forward(path, module)))
             if hidden_blocks:
-                stack.enter_context(_hidden_state(model, hidden_blocks, result.hidden))
+                stack.enter_context(_hidden_state(model, hidden_blocks, result.hidden, watch))
+                # Armed only while the model's own forward runs (export reads the state
+                # it sees before and after).
+                stack.callback(model.register_forward_pre_hook(arm).remove)
+                stack.callback(model.register_forward_hook(disarm, always_call=True).remove)
             yield result
+            if watch.touched is not None:
+                raise SharingFailed(f"the model read the hidden state of {watch.touched}")
     finally:
-        for sid in used:
+        for sid in result.sites:
             _SITES.pop(sid, None)
 
 
 @contextlib.contextmanager
 def _hidden_state(model: torch.nn.Module, blocks: set[str],
-                  hidden: list[tuple[str, torch.Tensor, str]]) -> Iterator[None]:
+                  hidden: list[tuple[str, torch.Tensor, str]], watch: _Watch
+                  ) -> Iterator[None]:
     """Take the state only ``blocks`` hold out of their modules (appending it to
     ``hidden``), and put it back on exit.  Modules and tensors that anything else in the
     model also holds (a shared projection, a tied weight) stay."""
@@ -453,10 +370,12 @@ def _hidden_state(model: torch.nn.Module, blocks: set[str],
                 done.add(id(module))
                 params, buffers = module._parameters, module._buffers
                 saved.append((module, params, buffers))
-                module._parameters = {k: v for k, v in params.items()
-                                      if v is None or id(v) in elsewhere_tensors}
-                module._buffers = {k: v for k, v in buffers.items()
-                                   if v is None or id(v) in elsewhere_tensors}
+                module._parameters = _WatchedDict(
+                    {k: v for k, v in params.items() if v is None or id(v) in elsewhere_tensors},
+                    watch, local)
+                module._buffers = _WatchedDict(
+                    {k: v for k, v in buffers.items() if v is None or id(v) in elsewhere_tensors},
+                    watch, local)
                 for kind, before, after in (("parameter", params, module._parameters),
                                             ("buffer", buffers, module._buffers)):
                     hidden.extend((f"{local}.{k}", v, kind) for k, v in before.items()
@@ -537,28 +456,33 @@ def splice_blocks(gm: torch.fx.GraphModule, sites: dict[int, _Site],
         for user in enter[rep_sid].users:
             env[user] = args[user.args[1]]
         rep_local = {id(t): name for name, t in rep.state.items()}
+
+        def outside(inp: torch.fx.Node) -> Any:
+            """What a value the traced block reads from outside is in the copy."""
+            local = rep_local.get(id(tensor_of.get(inp)))
+            if local is not None:  # the traced block's own state: the copy's own
+                own = node_of.get(id(site.state[local]))
+                if own is None:
+                    raise SharingFailed(f"{site.path}.{local} has no placeholder")
+                return own
+            if _is_symbolic(inp) or (inp.op == "get_attr" and isinstance(
+                    _attr(gm, inp.target), torch.fx.GraphModule)):
+                return inp  # a size, or the body of a higher-order op: the same
+            raise SharingFailed(f"block {rep.path} reads {inp.name}, which it was not "
+                                "passed and does not hold")
+
         region = regions[rep_sid]
         members = set(region)
         with graph.inserting_before(call):
             for node in region:
                 for inp in node.all_input_nodes:
-                    if inp in env or inp in members:
-                        continue
-                    local = rep_local.get(id(tensor_of.get(inp)))
-                    if local is not None:
-                        own = node_of.get(id(site.state[local]))
-                        if own is None:
-                            raise SharingFailed(f"{site.path}.{local} has no placeholder")
-                        env[inp] = own
-                    elif inp.op == "call_function" and isinstance(
-                            inp.meta.get("val"), torch.Tensor):
-                        raise SharingFailed(f"block {rep.path} reads {inp.name}, an "
-                                            "activation it was not passed")
-                new = graph.node_copy(node, lambda n: env.get(n, n))
+                    if inp not in env and inp not in members:
+                        env[inp] = outside(inp)
+                new = graph.node_copy(node, lambda n: env[n])
                 new.meta = _moved_meta(node.meta, rep.path, site.path,
                                        call.meta.get("nn_module_stack"))
                 env[node] = new
-        outs = [env.get(a, a) for a in exit_[rep_sid].args[0]]
+        outs = [env[a] if a in env else outside(a) for a in exit_[rep_sid].args[0]]
         for user in list(call.users):
             user.replace_all_uses_with(outs[user.args[1]])
             graph.erase_node(user)
@@ -576,7 +500,19 @@ def splice_blocks(gm: torch.fx.GraphModule, sites: dict[int, _Site],
                 user.replace_all_uses_with(inputs[user.args[1]])
                 graph.erase_node(user)
             graph.erase_node(marker)
+    for name, sub in gm.named_modules():
+        if isinstance(sub, torch.fx.GraphModule) and sub is not gm and any(
+                n.op == "call_function" and n.target in (_ENTER, _EXIT, _CALL)
+                for n in sub.graph.nodes):
+            raise SharingFailed(f"a shared block was traced inside the sub-graph {name}")
     return tuple(sites[c.args[1]].path for c in calls)
+
+
+def _attr(root: torch.nn.Module, target: Any) -> Any:
+    obj: Any = root
+    for part in str(target).split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def _reads(node: torch.fx.Node, marker: torch.fx.Node) -> bool:
