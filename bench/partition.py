@@ -10,7 +10,8 @@ Run ``python bench/partition.py [--max-layers 512]``.
    * parameters: balanced parameter counts (DeepSpeed's default, ``"parameters"``).
    All three are scored with the same per-unit times, measured by running each unit on
    this CPU (median of several runs), so the cost model is checked too.
-2. Compile time (trace + passes) against depth, 8 to 512 layers of a small GPT.
+2. Compile time (trace + passes) against depth, 8 to 512 layers of a small GPT, with the
+   trace of identical blocks shared (the default) and, up to 64 layers, without.
 """
 
 from __future__ import annotations
@@ -178,18 +179,29 @@ def balance_rows(stages: int) -> list[list[str]]:
     return rows
 
 
-def compile_rows(max_layers: int) -> list[list[str]]:
+def compile_rows(max_layers: int, repeats: int) -> list[list[str]]:
+    """Median (and range) of ``repeats`` compiles per depth, with and without sharing the
+    trace of identical blocks."""
     rows = []
     layers = 8
     while layers <= max_layers:
-        torch.manual_seed(0)
-        model = LM(64, 32, layers)
-        idx = torch.randint(0, 64, (4, 16))
-        t = time.perf_counter()
-        plan = compile_model(model, (idx,), num_devices=4)
-        seconds = time.perf_counter() - t
-        rows.append([layers, len(plan.units), f"{seconds:.2f}",
-                     f"{seconds / layers * 1e3:.1f}", plan.program.trace_method])
+        times: dict[bool, list[float]] = {True: [], False: []}
+        units = 0
+        for _ in range(repeats):
+            for share in (True, False) if layers <= 64 else (True,):
+                torch.manual_seed(0)
+                model = LM(64, 32, layers)
+                idx = torch.randint(0, 64, (4, 16))
+                t = time.perf_counter()
+                plan = compile_model(model, (idx,), num_devices=4, share_blocks=share)
+                times[share].append(time.perf_counter() - t)
+                units = len(plan.units)
+        med = statistics.median(times[True])
+        unshared = (f"{statistics.median(times[False]):.2f}" if times[False]
+                    else "(too slow to repeat)")
+        rows.append([layers, units, f"{med:.2f}",
+                     f"{min(times[True]):.2f}-{max(times[True]):.2f}",
+                     f"{med / layers * 1e3:.1f}", unshared])
         layers *= 2
     return rows
 
@@ -198,15 +210,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--max-layers", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(f"Bottleneck stage / ideal, {args.stages} stages, scored with measured unit times "
           f"(lower is better, 1.00 is perfect)")
     print(tabulate(balance_rows(args.stages),
                    headers=["model", "units", "roundpipe", "uniform", "parameters",
                             "estimate~measured corr."]))
-    print("\nCompile time (trace + all passes) of a width-32 GPT")
-    print(tabulate(compile_rows(args.max_layers),
-                   headers=["layers", "units", "seconds", "ms / layer", "tracer"]))
+    print("\nCompile time (trace + all passes) of a width-32 GPT, median of "
+          f"{args.repeats}")
+    print(tabulate(compile_rows(args.max_layers, args.repeats),
+                   headers=["layers", "units", "seconds", "range", "ms / layer",
+                            "every block traced (share_blocks=False)"]))
 
 
 if __name__ == "__main__":
