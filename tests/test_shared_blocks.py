@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from roundpipe.compiler import analyze, compile_model
+from roundpipe.compiler import analyze
 from roundpipe.errors import ConfigError
 from roundpipe.passes.cost import _EXTRA_FLOP_FORMULAS
 from roundpipe.passes.layers import assign_layers, find_unit_roots
