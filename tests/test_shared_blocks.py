@@ -487,7 +487,91 @@ def _context_stack():
                  tables=[torch.rand(8, dtype=torch.float64) for _ in range(4)])
 
 
+def _collect_features(self, x):
+    self.feats.clear()
+    for b in self.h:
+        x = b(x)
+    return x, torch.stack(self.feats).sum(0)
+
+
+class FeatureStack(Stack):
+    def keep(self, module, inputs, output):
+        self.feats.append(output)
+
+
+def _hooks_that_collect():
+    model = FeatureStack([Small() for _ in range(4)], _collect_features, feats=[])
+    for b in model.h:  # feature extraction (Hugging Face's output_attentions does this)
+        b.fc.register_forward_hook(model.keep)
+    return model
+
+
+class Scaling:
+    scale = 1.0
+
+
+class ReadsScale(Small):
+    def __init__(self, ctx=None) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def forward(self, x, ctx=None):
+        return x + torch.tanh(self.fc(x)) * (ctx or self.ctx).scale
+
+
+def _mutate_held_context(self, x):
+    for i, b in enumerate(self.h):
+        self.ctx.scale = 1.0 + i  # one object, changed before each call
+        x = b(x)
+    return x
+
+
+def _mutate_passed_context(self, x):
+    ctx = Scaling()
+    for i, b in enumerate(self.h):
+        ctx.scale = 1.0 + i
+        x = b(x, ctx)
+    return x
+
+
+def _held_context():
+    ctx = Scaling()
+    return Stack([ReadsScale(ctx) for _ in range(4)], _mutate_held_context, ctx=ctx)
+
+
+def _one_weight_by_name(self, x):
+    for b in self.h:
+        x = b(x)
+    return x, dict(self.named_parameters())["h.4.fc.weight"].square().sum()
+
+
+def _count_parameters_first():
+    model = Stack([Small() for _ in range(5)], lambda self, x: _plain(self, x) * self.n, n=0)
+    model.register_forward_pre_hook(
+        lambda m, a: setattr(m, "n", sum(p.numel() for p in m.parameters())))
+    return model
+
+
+def _plain(self, x):
+    for b in self.h:
+        x = b(x)
+    return x
+
+
+def _copies_parameter_dicts(self, x):
+    return _plain(self, x) * sum(len(m._parameters.copy()) for m in self.modules())
+
+
 ADVERSARIAL = {
+    "hooks collect outputs": _hooks_that_collect,
+    "context object changed before each call": _held_context,
+    "context object passed to each call": lambda: Stack([ReadsScale() for _ in range(4)],
+                                                        _mutate_passed_context),
+    "parameter looked up by name": lambda: Stack([Small() for _ in range(5)],
+                                                 _one_weight_by_name),
+    "root pre-hook counts parameters": _count_parameters_first,
+    "parameter dicts copied": lambda: Stack([Small() for _ in range(5)],
+                                            _copies_parameter_dicts),
     "tied weights in the first block": lambda: Stack([Tied(i == 0) for i in range(4)]),
     "attribute set before each call": lambda: Stack([Tempered() for _ in range(4)],
                                                     _set_temperature),
@@ -537,3 +621,33 @@ def test_a_constant_equal_to_the_example_size_is_not_the_size():
         x = torch.randn(2, seq, 8, dtype=torch.float64)
         torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
                                    rtol=0, atol=1e-12)
+
+
+class Head(nn.Module):
+    def __init__(self, index: int, width: int) -> None:
+        super().__init__()
+        self.index = index
+        self.fc = nn.Linear(8, width)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = nn.ModuleList([Head(i, w) for i, w in enumerate([8, 8, 12, 12])])
+        self.out = nn.Linear(40, 4)
+
+    def forward(self, x):
+        return self.out(torch.cat([b(x) for b in self.h], -1))
+
+
+def test_blocks_compared_by_fingerprint_keep_their_own_state_shapes():
+    torch.manual_seed(0)
+    model = Heads().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    traced = trace(model, (x,), leaf_modules=find_unit_roots(model))
+    assert traced.method == "export" and traced.copied == ("h.3",)
+    torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
+                               rtol=0, atol=1e-12)

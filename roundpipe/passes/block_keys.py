@@ -46,19 +46,24 @@ _METADATA_QUERIES = frozenset(getattr(torch.ops.prim, name).default
                               for name in ("device", "layout") if hasattr(torch.ops.prim, name))
 
 
-def value_key(value: Any, keep: list[Any]) -> Any:
+def value_key(value: Any, keep: list[Any], depth: int = 0) -> Any:
     """``value`` by value when it is plain data, by identity otherwise (``keep`` holds the
-    object, so its id is not reused while the key is in use)."""
+    object, so its id is not reused while the key is in use); an object with attributes
+    (a shared context, a config) also by its attributes, as they are now, two levels deep."""
     if isinstance(value, float):
         return ("float", value.hex())  # -0.0 differs from 0.0; nan equals nan
     if isinstance(value, _PLAIN):
         return (type(value).__name__, value)
     if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(value_key(v, keep) for v in value))
+        return (type(value).__name__, tuple(value_key(v, keep, depth) for v in value))
     if isinstance(value, dict):
-        return ("dict", tuple((value_key(k, keep), value_key(v, keep))
+        return ("dict", tuple((value_key(k, keep, depth), value_key(v, keep, depth))
                               for k, v in value.items()))
     keep.append(value)
+    attrs = getattr(value, "__dict__", None)
+    if depth < 2 and type(attrs) is dict and not isinstance(
+            value, (torch.nn.Module, torch.Tensor, type)):
+        return ("obj", id(value), value_key(attrs, keep, depth + 1))
     return ("id", id(value))
 
 
@@ -239,7 +244,7 @@ def fingerprint(mode: FakeTensorMode, forward: Callable[..., Any], module: torch
         recorder = _Recorder(refs, guarded, keep)
         recorder.alive.extend(inputs)
         args, kwargs = pytree.tree_unflatten(inputs, in_spec)
-        before = {id(m): (m, dict(vars(m))) for m in module.modules()}
+        before = {id(m): (m, _snapshot(m)) for m in module.modules()}
         try:
             with _reparametrize_module(module, fake_state), mode, recorder, _quiet_fake():
                 out = forward(*args, **kwargs)
@@ -264,18 +269,50 @@ def _quiet_fake() -> Iterator[None]:
         logger.disabled = disabled
 
 
-def _restore_attributes(before: dict[int, tuple[torch.nn.Module, dict[str, Any]]]) -> str:
-    """Put every module's attributes back as they were (a fake run must leave no trace:
-    a counter bumped, a cache of fake tensors); returns the names that had changed."""
+def _snapshot(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A module's attributes, and copies of the contents of its list, dict and set
+    attributes (a forward may fill a cache in place)."""
+    attrs = dict(vars(module))
+    contents = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict)
+                    else set(v))
+                for k, v in attrs.items() if isinstance(v, (list, dict, set))
+                and k not in _IGNORED_ATTRIBUTES}
+    return attrs, contents
+
+
+def _restore_attributes(before: dict[int, tuple[torch.nn.Module,
+                                                tuple[dict[str, Any], dict[str, Any]]]]) -> str:
+    """Put every module's attributes, and the contents of its containers, back as they
+    were (a fake run must leave no trace: a counter bumped, a cache of fake tensors);
+    returns the names that had changed."""
     changed = []
-    for module, attrs in before.values():
+    for module, (attrs, contents) in before.values():
         now = vars(module)
         if now.keys() != attrs.keys() or any(now[k] is not v for k, v in attrs.items()):
             changed.extend(sorted(k for k in now.keys() | attrs.keys()
                                   if now.get(k, _MISSING) is not attrs.get(k, _MISSING)))
             now.clear()
             now.update(attrs)
+        for k, saved in contents.items():
+            container = now[k]
+            if not _same_contents(container, saved):
+                changed.append(k)
+                container.clear()
+                if isinstance(container, list):
+                    container.extend(saved)
+                else:
+                    container.update(saved)
     return ", ".join(changed)
+
+
+def _same_contents(container: Any, saved: Any) -> bool:
+    if len(container) != len(saved):
+        return False
+    if isinstance(container, dict):
+        return all(k in saved and saved[k] is v for k, v in container.items())
+    if isinstance(container, list):
+        return all(a is b for a, b in zip(container, saved))
+    return container == saved
 
 
 _MISSING = object()

@@ -194,6 +194,50 @@ class _WatchedDict(dict):  # type: ignore[type-arg]
         self._seen()
         return super().values()
 
+    def copy(self) -> dict[Any, Any]:
+        self._seen()
+        return dict(super().items())
+
+    def __eq__(self, other: object) -> bool:
+        self._seen()
+        return super().__eq__(other)
+
+    def __ne__(self, other: object) -> bool:
+        self._seen()
+        return super().__ne__(other)
+
+    def __or__(self, other: Any) -> Any:
+        self._seen()
+        return dict(super().items()) | other
+
+    def __ror__(self, other: Any) -> Any:
+        self._seen()
+        return other | dict(super().items())
+
+    def __reversed__(self) -> Iterator[Any]:
+        self._seen()
+        return super().__reversed__()
+
+    def __repr__(self) -> str:
+        self._seen()
+        return super().__repr__()
+
+    __hash__ = None  # type: ignore[assignment]  # as dict's
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return any(getattr(m, name, None) for m in module.modules()
+               for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                            "_backward_pre_hooks"))
+
+
+def _global_hooks() -> bool:
+    """Hooks every module runs (``register_module_forward_hook`` and kin)."""
+    from torch.nn.modules import module as torch_module
+    return any(getattr(torch_module, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks"))
+
 
 def _autocast_on() -> bool:
     check = getattr(torch._C, "_is_any_autocast_enabled", None)
@@ -210,7 +254,7 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...], hide_state: bo
     first two of each look-alike group is hidden from export.
     """
     result = SharedTrace()
-    if not paths:
+    if not paths or _global_hooks():
         yield result
         return
     keep: list[Any] = []  # objects whose ids are in keys: no id is reused while we run
@@ -247,10 +291,11 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...], hide_state: bo
               ) -> Callable[[], Any] | None:
         """Decide how this call is traced: None to trace it normally, else a function
         that traces it (between markers, or as one ``block_call``)."""
-        if torch.is_grad_enabled() != grad_enabled or _autocast_on():
-            # Export wraps such regions into sub-graphs, which are not spliced.
+        if torch.is_grad_enabled() != grad_enabled or _autocast_on() or _has_hooks(module):
+            # Export wraps no_grad and autocast regions into sub-graphs, which are not
+            # spliced; hooks would run, and keep what they saw, in the fake run.
             if path in hidden_blocks:
-                raise SharingFailed(f"{path} runs under no_grad or autocast")
+                raise SharingFailed(f"{path} runs under no_grad or autocast, or has hooks")
             return None
         flat, in_spec = pytree.tree_flatten((f_args, f_kwargs))
         with outside_export():  # reading shapes through export's modes is slow
@@ -278,7 +323,7 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...], hide_state: bo
                 unshareable.add(key)
                 return None
             if unique:
-                key = (computed, shapes)
+                key = ((layouts[path], computed), shapes)
         tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         site = _Site(path, len(tensor_pos), real_state[path])
         sid = next(_NEXT_SITE)
@@ -328,9 +373,15 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...], hide_state: bo
                 stack.enter_context(_hidden_state(model, hidden_blocks, result.hidden, watch))
                 # Armed only while the model's own forward runs (export reads the state
                 # it sees before and after).
-                stack.callback(model.register_forward_pre_hook(arm).remove)
+                stack.callback(model.register_forward_pre_hook(arm, prepend=True).remove)
                 stack.callback(model.register_forward_hook(disarm, always_call=True).remove)
-            yield result
+            try:
+                yield result
+            except Exception as e:
+                if watch.touched is not None:  # whatever failed may have missed the state
+                    raise SharingFailed(f"the model read the hidden state of "
+                                        f"{watch.touched}") from e
+                raise
             if watch.touched is not None:
                 raise SharingFailed(f"the model read the hidden state of {watch.touched}")
     finally:

@@ -33,6 +33,7 @@ import operator
 import os
 import re
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -126,6 +127,21 @@ def trace(
         TraceError: every tracer failed; the message names the failing source line and
             lists what was tried.
     """
+    # One trace at a time: export, and the block sharing inside it, patch nn.Module
+    # process-wide while they run.
+    with _TRACE_LOCK:
+        return _trace(model, example_args, example_kwargs, leaf_modules=leaf_modules,
+                      opaque_modules=opaque_modules, dynamic=dynamic,
+                      share_blocks=share_blocks)
+
+
+_TRACE_LOCK = threading.Lock()
+
+
+def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
+           example_kwargs: dict[str, Any] | None, *, leaf_modules: Iterable[str],
+           opaque_modules: Iterable[str | type], dynamic: bool,
+           share_blocks: bool) -> TracedGraph:
     example_kwargs = dict(example_kwargs or {})
     if not any(True for _ in model.parameters()):
         raise ModelError(
@@ -221,14 +237,21 @@ def _trace_export_sharing(model: torch.nn.Module, args: tuple[Any, ...],
     all (or its missing state was read), without sharing when the result cannot be
     spliced."""
     if shared:
+        # Any failure of a sharing attempt is retried without it: a failure of the model's
+        # own makes the plain export fail too, and is reported from there.
+        visible = False
         try:
             return _trace_export(model, args, kwargs, dynamic, shared=shared, hide_state=True)
         except (SharingFailed, AttributeError) as e:
             log.info("roundpipe: tracing again with every block's state visible: %s", e)
-        try:
-            return _trace_export(model, args, kwargs, dynamic, shared=shared)
-        except SharingFailed as e:
-            log.info("roundpipe: tracing every block on its own: %s", e)
+            visible = True
+        except Exception as e:  # noqa: BLE001
+            log.info("roundpipe: tracing again with every block traced: %s", _first_line(e))
+        if visible:
+            try:
+                return _trace_export(model, args, kwargs, dynamic, shared=shared)
+            except Exception as e:  # noqa: BLE001
+                log.info("roundpipe: tracing every block on its own: %s", _first_line(e))
     return _trace_export(model, args, kwargs, dynamic)
 
 
