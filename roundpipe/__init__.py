@@ -6,6 +6,9 @@ stage's weights are streamed round-robin while microbatches flow through the sta
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+
 from .api import RoundPipe, compile
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import RoundPipeRunConfig
@@ -16,11 +19,28 @@ from .errors import (ConfigError, InputError, LossError, ModelError, OutOfMemory
 from .errors import DataParallelError, ReplicaError
 from .runtime.data_parallel import DataParallelConfig
 from .plan import StagePlan
-from . import backend
 
-# torch.compile(model, backend="roundpipe") also works from a source tree without the
-# installed entry point.
-backend.register()
+
+def _backend_entry_point_installed() -> bool:
+    try:
+        return any(ep.name == "roundpipe"
+                   for ep in importlib.metadata.entry_points(group="torch_dynamo_backends"))
+    except Exception:  # noqa: BLE001 - broken metadata: register by hand below
+        return False
+
+
+# Installed, Dynamo finds torch.compile(backend="roundpipe") through the entry point and
+# imports roundpipe.backend only then (importing Dynamo costs about a second); from a
+# source tree without it, the backend registers itself here.
+if not _backend_entry_point_installed():
+    from . import backend
+    backend.register()
+
+
+def __getattr__(name: str) -> object:
+    if name == "backend":  # roundpipe.backend.plans() without importing it first
+        return importlib.import_module(".backend", __name__)
+    raise AttributeError(f"module 'roundpipe' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 

@@ -566,3 +566,30 @@ def test_memory_cap_too_small_is_a_partition_error_at_the_call():
     (idx,), _ = _gpt_batch(0)
     with pytest.raises(roundpipe.PartitionError, match="memory cap is 1024 bytes"):
         compiled(idx)
+
+
+def test_import_is_cheap_and_a_source_tree_registers_by_hand():
+    """Installed, ``import roundpipe`` leaves Dynamo unimported (its entry point does the
+    registering); without the entry point, the import registers the backend itself."""
+    script = textwrap.dedent("""
+        import importlib.metadata, json, sys
+        hide = sys.argv[1] == "hide"
+        if hide:  # as in a source tree that was never pip-installed
+            real = importlib.metadata.entry_points
+            importlib.metadata.entry_points = lambda **kw: (
+                [] if kw.get("group") == "torch_dynamo_backends" else real(**kw))
+        import roundpipe
+        dynamo_imported = "torch._dynamo" in sys.modules
+        from torch._dynamo.backends import registry
+        print(json.dumps({"dynamo_imported": dynamo_imported,
+                          "registered": "roundpipe" in registry._COMPILER_FNS}))
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    results = {}
+    for mode in ("installed", "hide"):
+        proc = subprocess.run([sys.executable, "-c", script, mode], capture_output=True,
+                              text=True, cwd=REPO, env=env, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["installed"] == {"dynamo_imported": False, "registered": False}
+    assert results["hide"] == {"dynamo_imported": True, "registered": True}
