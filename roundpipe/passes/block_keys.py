@@ -99,7 +99,8 @@ def attribute_key(module: torch.nn.Module, keep: list[Any]) -> Any:
     for name, m in module.named_modules(remove_duplicate=False):
         attrs = []
         for key, value in vars(m).items():
-            if key in _IGNORED_ATTRIBUTES or getattr(value, WRAPPER_MARK, False):
+            if key in _IGNORED_ATTRIBUTES or (callable(value)
+                                              and getattr(value, WRAPPER_MARK, False)):
                 continue
             if key.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) \
                     and isinstance(value, dict):

@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 
 class SharingFailed(Exception):
-    """The traced graph could not be spliced; the caller exports without sharing."""
+    """Sharing cannot go on as asked (a hidden block must be traced, the model read hidden
+    state, the graph cannot be spliced); the caller exports again with less of it."""
 
 
 @dataclass
