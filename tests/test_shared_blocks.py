@@ -651,3 +651,71 @@ def test_blocks_compared_by_fingerprint_keep_their_own_state_shapes():
     assert traced.method == "export" and traced.copied == ("h.3",)
     torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
                                rtol=0, atol=1e-12)
+
+
+class Windowed(nn.Module):
+    """Swin-style: the block is told the spatial size as ints derived from the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, height, width):
+        b = x.shape[0]
+        grid = x.view(b, height, width, 8).transpose(1, 2).reshape(b, height * width, 8)
+        return x + torch.tanh(self.fc(grid))
+
+
+class Grid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.h = nn.ModuleList([Windowed() for _ in range(4)])
+
+    def forward(self, x):
+        height, width = x.shape[1], x.shape[2]
+        x = self.pre(x.flatten(1, 2))
+        for block in self.h:
+            x = block(x, height, width)
+        return x
+
+
+def test_blocks_given_symbolic_sizes_share_and_keep_them_symbolic():
+    torch.manual_seed(0)
+    model = Grid().double()
+    traced = trace(model, (torch.randn(2, 3, 4, 8, dtype=torch.float64),),
+                   leaf_modules=find_unit_roots(model))
+    assert traced.method == "export" and traced.copied == ("h.1", "h.2", "h.3")
+    for shape in [(2, 3, 4, 8), (3, 5, 2, 8)]:
+        x = torch.randn(*shape, dtype=torch.float64)
+        torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
+                                   rtol=0, atol=1e-12)
+
+
+class PicksColumn(Small):
+    """Falcon-style indexing with a list: every call makes a tensor literal."""
+
+    def __init__(self, column: int = -2) -> None:
+        super().__init__()
+        self.column = column
+
+    def forward(self, x):
+        picked = x[..., [self.column]]
+        return torch.tanh(self.fc(x)) * picked
+
+
+def test_blocks_making_equal_tensor_literals_share_them():
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    same = Stack([PicksColumn() for _ in range(4)]).double()
+    traced = trace(same, (x,), leaf_modules=find_unit_roots(same))
+    assert traced.copied == ("h.1", "h.2", "h.3")
+    torch.testing.assert_close(_run_traced_graph(traced, same, (x,), {}), same(x),
+                               rtol=0, atol=1e-12)
+    # Literals that differ keep blocks apart, although the attribute is read at call time
+    # only through the literal's value.
+    differ = Stack([PicksColumn(c) for c in (-2, -2, -3, -3)]).double()
+    traced = trace(differ, (x,), leaf_modules=find_unit_roots(differ))
+    assert set(traced.copied) == {"h.1", "h.3"}
+    torch.testing.assert_close(_run_traced_graph(traced, differ, (x,), {}), differ(x),
+                               rtol=0, atol=1e-12)

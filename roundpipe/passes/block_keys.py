@@ -15,9 +15,10 @@ Two keys, one cheap and one exact:
   second time with every symbolic size one larger, so that a constant that happens to
   equal the example's size is told apart from the size itself.
 
-A block is *not shareable* (:class:`NotShareable`) when it writes its inputs or state,
-reads a tensor it was neither passed nor made (a tensor literal, a tensor stashed on a
-context object), changes its own attributes, or cannot run on static fake tensors.
+A block is *not shareable* (:class:`NotShareable`) when it writes its inputs, its state
+or a tensor it did not make, reads a large tensor it was neither passed nor made (small
+ones, such as the literal index of ``x[..., [-2]]``, are keyed by value), changes its
+own attributes, or cannot run on static fake tensors.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -68,10 +69,13 @@ def value_key(value: Any, keep: list[Any], depth: int = 0) -> Any:
 
 
 def input_key(x: Any, keep: list[Any]) -> Any:
-    """One flat input of a block call: a tensor by its symbolic layout, else by value."""
+    """One flat input of a block call: a tensor by its symbolic layout, a symbolic int
+    (``block(x, H, W)``) by its expression, anything else by value."""
     if isinstance(x, torch.Tensor):
         return ("tensor", tuple(str(s) for s in x.shape), tuple(str(s) for s in x.stride()),
                 x.dtype, str(x.device), x.requires_grad)
+    if isinstance(x, torch.SymInt):
+        return ("symint", str(x))
     return value_key(x, keep)
 
 
@@ -127,7 +131,7 @@ class _Recorder(TorchDispatchMode):
         if isinstance(x, torch.Tensor):
             ref = self.refs.get(id(x))
             if ref is None:
-                raise NotShareable("reads a tensor it was neither passed nor made")
+                return _literal(x, self.keep)
             return ref
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise NotShareable("a symbolic value inside a static fake run")
@@ -143,8 +147,10 @@ class _Recorder(TorchDispatchMode):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 for t in pytree.tree_leaves(value):
-                    if isinstance(t, torch.Tensor) and _storage(t) in self.guarded:
-                        raise NotShareable(f"{func} writes the block's input or state")
+                    if isinstance(t, torch.Tensor) and (_storage(t) in self.guarded
+                                                        or id(t) not in self.refs):
+                        raise NotShareable(f"{func} writes the block's input or state, "
+                                           "or a tensor it did not make")
         record = (func, str(spec), torch.is_grad_enabled(),
                   tuple(self.describe(x) for x in flat))
         out = func(*args, **kwargs)
@@ -155,6 +161,21 @@ class _Recorder(TorchDispatchMode):
                 self.alive.append(t)
         self.ops.append(record)
         return out
+
+
+# A real tensor a block reads without being passed it (a literal such as the index of
+# x[..., [-2], :], a table on a context object) is keyed by value up to this many elements;
+# export makes it a constant, which the copies then share.
+_LITERAL_MAX_ELEMENTS = 64
+
+
+def _literal(t: torch.Tensor, keep: list[Any]) -> Any:
+    if isinstance(t, FakeTensor) or t.device.type != "cpu" or t.requires_grad \
+            or t.numel() > _LITERAL_MAX_ELEMENTS:
+        raise NotShareable("reads a tensor it was neither passed nor made")
+    with _disable_current_modes():  # read the real values, not a fake copy of them
+        values = t.flatten().tolist()
+    return ("literal", t.dtype, tuple(t.shape), tuple(value_key(v, keep) for v in values))
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -239,6 +260,8 @@ def fingerprint(mode: FakeTensorMode, forward: Callable[..., Any], module: torch
                     x = _empty_like(x, [_size(s, bump) for s in x.shape],
                                     [_size(s, bump) for s in x.stride()])
                     refs[id(x)] = ("in", i)
+                elif isinstance(x, torch.SymInt):  # a size passed on: its (bumped) value
+                    x = _size(x, bump)
                 inputs.append(x)
         guarded = {_storage(t) for t in itertools.chain(fake_state.values(), inputs)
                    if isinstance(t, torch.Tensor)}

@@ -463,13 +463,16 @@ def add_hidden_state(gm: torch.fx.GraphModule, hidden: list[tuple[str, torch.Ten
 # --- after export ------------------------------------------------------------------------
 
 def splice_blocks(gm: torch.fx.GraphModule, sites: dict[int, _Site],
-                  tensor_of: dict[torch.fx.Node, torch.Tensor]) -> tuple[str, ...]:
+                  tensor_of: dict[torch.fx.Node, torch.Tensor],
+                  constants: frozenset[torch.fx.Node] = frozenset()) -> tuple[str, ...]:
     """Replace every ``block_call`` with a copy of its traced block and drop the markers.
 
     Args:
         gm: the exported graph module.
         sites: what :func:`shared_blocks` yielded.
         tensor_of: the model tensor behind each state placeholder.
+        constants: the placeholders of lifted constants (tensor literals): a copy reads
+            the traced block's, which the fingerprint found equal to its own.
 
     Returns the paths of the blocks whose nodes are copies.  The caller recompiles
     ``gm``.
@@ -517,9 +520,9 @@ def splice_blocks(gm: torch.fx.GraphModule, sites: dict[int, _Site],
                 if own is None:
                     raise SharingFailed(f"{site.path}.{local} has no placeholder")
                 return own
-            if _is_symbolic(inp) or (inp.op == "get_attr" and isinstance(
+            if inp in constants or _is_symbolic(inp) or (inp.op == "get_attr" and isinstance(
                     _attr(gm, inp.target), torch.fx.GraphModule)):
-                return inp  # a size, or the body of a higher-order op: the same
+                return inp  # a literal, a size, or the body of a higher-order op: the same
             raise SharingFailed(f"block {rep.path} reads {inp.name}, which it was not "
                                 "passed and does not hold")
 

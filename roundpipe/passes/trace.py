@@ -286,7 +286,10 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
                 specs[node] = _HiddenSpec(InputKind.PARAMETER if kind == "parameter"
                                           else InputKind.BUFFER, fqn)
                 tensor_of[node] = tensor
-            copied = splice_blocks(gm, blocks.sites, tensor_of) if blocks.sites else ()
+            constants = frozenset(n for n, s in specs.items()
+                                  if s.kind == InputKind.CONSTANT_TENSOR)
+            copied = splice_blocks(gm, blocks.sites, tensor_of, constants) \
+                if blocks.sites else ()
             if copied:
                 log.info("roundpipe: traced %d of %d repeated blocks, copied the rest",
                          len(blocks.sites) - len(copied), len(blocks.sites))
