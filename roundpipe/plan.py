@@ -101,8 +101,9 @@ class InputSignature:
         defaults: default values of those parameters (``inspect.Parameter.empty`` if none).
         names: value name of each flat input (``None`` for an input the graph never reads).
         static: per flat input, what a new call must match to reuse this program: for a
-            tensor, ``(dtype, shape)`` with ``None`` for dynamic dimensions; otherwise the
-            constant value the trace specialised on.
+            tensor, ``(dtype, shape)`` with ``None`` for dynamic dimensions and ``(low,
+            high)`` for dynamic dimensions export's guards bounded (``high`` None:
+            unbounded); otherwise the constant value the trace specialised on.
     """
 
     kind: Literal["pytree", "signature"]

@@ -286,3 +286,43 @@ def test_fx_fallback_keeps_top_level_buffer_updates():
     assert pipe.plan.program.trace_method == "fx"
     assert int(model.calls) == int(eager.calls) == 6
     pipe.close()
+
+
+class _ShapeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.fc(x)
+        return x * 2 if x.shape[1] > 4 else x + 100  # export guards on T > 4
+
+
+class _ShapeBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = nn.ModuleList([_ShapeBranch() for _ in range(3)])
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+        return x
+
+
+def test_a_guarded_dynamic_dimension_recompiles_outside_its_range():
+    """Export traced the branch for T > 4 only: a call with T = 3 must not reuse that
+    program (it would silently take the wrong branch) but compile its own."""
+    import roundpipe
+    torch.manual_seed(0)
+    model = _ShapeBranches().double()
+    pipe = roundpipe.compile(model, (torch.randn(4, 8, 8, dtype=torch.float64),),
+                             devices=["cpu"] * 2)
+    try:
+        assert pipe.plan.program.inputs.static == (("tensor", torch.float64,
+                                                    (None, (5, None), 8)),)
+        for seq in (8, 3, 12):
+            x = torch.randn(4, seq, 8, dtype=torch.float64)
+            with torch.no_grad():
+                torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    finally:
+        pipe.close()

@@ -382,7 +382,8 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             f"torch.export produced {len(user_inputs)} user inputs for "
             f"{len(flat_inputs)} flattened example inputs"
         )
-    static = tuple(_static_signature(x, node) for x, node in zip(flat_inputs, user_inputs))
+    static = tuple(_static_signature(x, node, ep.range_constraints)
+                   for x, node in zip(flat_inputs, user_inputs))
     return TracedGraph(
         graph_module=gm,
         state=tuple(state),
@@ -527,16 +528,41 @@ def _register_output_dataclasses(module: torch.nn.Module, args: Any, output: Any
     visit(output)
 
 
-def _static_signature(value: Any, node: torch.fx.Node | None) -> Any:
-    """What a later call must match: dtype and the dims the trace specialised."""
+def _static_signature(value: Any, node: torch.fx.Node | None,
+                      ranges: dict[Any, Any] | None = None) -> Any:
+    """What a later call must match: dtype, the dims the trace specialised (ints), and
+    the ranges export's guards put on dynamic dims (``(low, high)``, ``high`` None for
+    unbounded: a branch on ``T > 4`` was traced for those sizes only; export's own floor
+    of 2 is not kept, as microbatches of 1 run the same program).  ``None``: any size."""
     if not isinstance(value, torch.Tensor):
         return ("const", value)
     val = node.meta.get("val") if node is not None else None
     if isinstance(val, torch.Tensor):
-        dims = tuple(d if isinstance(d, int) else None for d in val.shape)
+        dims = tuple(_dim_signature(d, ranges or {}) for d in val.shape)
     else:
         dims = tuple(value.shape)
     return ("tensor", value.dtype, dims)
+
+
+def _dim_signature(dim: Any, ranges: dict[Any, Any]) -> Any:
+    if isinstance(dim, int):
+        return dim
+    expr = dim.node.expr
+    if expr.is_number:
+        return int(expr)
+    bounds = ranges.get(expr)
+    if bounds is None:
+        return None
+    low = int(bounds.lower)
+    try:
+        high: int | None = int(bounds.upper)
+    except (TypeError, ValueError, OverflowError, AttributeError):  # int_oo
+        high = None
+    if high is not None and high >= 2 ** 62:  # export's stand-ins for "no bound"
+        high = None
+    if low <= 2:  # export's own floor (it specialises sizes 0 and 1), not a guard
+        low = 0
+    return None if low == 0 and high is None else (low, high)
 
 
 def _module_path(node: torch.fx.Node) -> str:

@@ -63,10 +63,21 @@ def matches(sig: InputSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             if not isinstance(value, torch.Tensor) or value.dtype != static[1]:
                 return False
             dims = static[2]
-            if value.dim() != len(dims) or any(d is not None and d != s
-                                               for d, s in zip(dims, value.shape)):
+            if value.dim() != len(dims) or not all(
+                    _dim_matches(d, s) for d, s in zip(dims, value.shape)):
                 return False
     return True
+
+
+def _dim_matches(dim: Any, size: int) -> bool:
+    """``dim`` is None (any size), an int (that size) or ``(low, high)`` (a range export's
+    guards allowed; ``high`` None for unbounded)."""
+    if dim is None:
+        return True
+    if isinstance(dim, tuple):
+        low, high = dim
+        return size >= low and (high is None or size <= high)
+    return dim == size
 
 
 def _same_const(a: Any, b: Any) -> bool:
