@@ -232,13 +232,18 @@ class RoundPipe:
                          device_model=self.device_model, memory_cap=cap,
                          num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
                          notes=analysis.notes)
-        for a, k in mbs:
+        for i, (a, k) in enumerate(mbs):
             if not matches(plan.program.inputs, a, k):
+                shapes = [tuple(t.shape) for t in pytree.tree_leaves((a, k))
+                          if isinstance(t, torch.Tensor)]
                 raise InputError(
-                    "the traced graph specialised some input dimensions (see "
-                    f"plan.program.inputs.static: {plan.program.inputs.static}) and not every "
-                    "microbatch matches them; use a batch divisible by num_microbatch or make "
-                    "the model's shapes dynamic")
+                    f"the program traced for this call fixes or bounds some input dimensions "
+                    f"(plan.program.inputs.static: {plan.program.inputs.static}: ints are "
+                    "fixed, (low, high) are the sizes export's guards allow, None is any); "
+                    f"microbatch {i} of {len(mbs)}, with tensor shapes {shapes}, falls outside "
+                    "them, and one call runs one program. Use a batch size or num_microbatch "
+                    "for which every microbatch has the same shapes (a batch divisible by "
+                    "num_microbatch), or make the model's shapes dynamic")
         host = HostState(self._state, plan.program)
         if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
             pin_host_state(self._state, host, self.pin_memory)

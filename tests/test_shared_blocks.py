@@ -562,6 +562,31 @@ def _copies_parameter_dicts(self, x):
     return _plain(self, x) * sum(len(m._parameters.copy()) for m in self.modules())
 
 
+GATES: dict = {}  # per-block tables kept outside the modules (an adapter registry, say)
+
+
+class RegistryGated(Small):
+    def forward(self, x):
+        return self.fc(x) * GATES[self]
+
+
+def _registry_gates():
+    model = Stack([RegistryGated() for _ in range(4)])
+    for i, b in enumerate(model.h):
+        GATES[b] = torch.tensor([1.0, 2.0, 3.0, float(i), 1.0, 1.0, 1.0, 1.0],
+                                dtype=torch.float64)
+    return model
+
+
+class AttributeGated(Small):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.ones(8, dtype=torch.float64)  # a plain attribute, not a buffer
+
+    def forward(self, x):
+        return self.fc(x) * self.gate
+
+
 ADVERSARIAL = {
     "hooks collect outputs": _hooks_that_collect,
     "context object changed before each call": _held_context,
@@ -718,4 +743,63 @@ def test_blocks_making_equal_tensor_literals_share_them():
     traced = trace(differ, (x,), leaf_modules=find_unit_roots(differ))
     assert set(traced.copied) == {"h.1", "h.3"}
     torch.testing.assert_close(_run_traced_graph(traced, differ, (x,), {}), differ(x),
+                               rtol=0, atol=1e-12)
+
+
+class SizeOrConstant(Small):
+    def __init__(self, k) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x, n):
+        return self.fc(x) * (self.k if self.k is not None else n)
+
+
+class PassesSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.h = nn.ModuleList([SizeOrConstant(5), SizeOrConstant(None)])
+
+    def forward(self, x, y):
+        n = y.shape[0]
+        x = self.pre(x)
+        for block in self.h:
+            x = block(x, n)
+        return x
+
+
+def test_a_passed_size_is_not_mistaken_for_an_equal_constant():
+    torch.manual_seed(0)
+    model = PassesSize().double()
+    x = torch.randn(1, 8, dtype=torch.float64)  # static: only the passed size is symbolic
+    traced = trace(model, (x, torch.zeros(5)), leaf_modules=find_unit_roots(model))
+    assert traced.copied == ()
+    for n in (5, 7):
+        y = torch.zeros(n)
+        torch.testing.assert_close(_run_traced_graph(traced, model, (x, y), {}),
+                                   model(x, y), rtol=0, atol=1e-12)
+
+
+def test_tables_read_from_outside_the_modules_are_not_shared():
+    """Look-alike blocks that read a tensor they were not passed (from a registry keyed by
+    the block) must not read the first block's: such blocks are traced one by one."""
+    torch.manual_seed(0)
+    model = _registry_gates().double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    traced = trace(model, (x,), leaf_modules=find_unit_roots(model))
+    assert traced.copied == ()
+    torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
+                               rtol=0, atol=1e-12)
+
+
+def test_equal_plain_tensor_attributes_stay_each_blocks_own():
+    """Blocks holding equal (not registered) tensors: each graph reads its own block's, so
+    editing one block's tensor later changes that block only."""
+    torch.manual_seed(0)
+    model = Stack([AttributeGated() for _ in range(4)]).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    traced = trace(model, (x,), leaf_modules=find_unit_roots(model))
+    model.h[3].gate.mul_(0.5)
+    torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
                                rtol=0, atol=1e-12)

@@ -82,11 +82,12 @@ def test_zoo_model_traces_with_export(name):
 
 
 def test_exported_inputs_are_dynamic():
-    """Batch and sequence dims of the GPT's inputs are left dynamic (None), so one trace
-    serves every batch size and sequence length."""
+    """Batch and sequence dims of the GPT's inputs are left dynamic, so one trace serves
+    every batch size (None: microbatches of one included) and every sequence length from
+    2 (export traces sizes 0 and 1 apart, so length 1 gets a program of its own)."""
     static = compiled("gpt").traced.inputs.static
-    assert static == (("tensor", torch.int64, (None, None)),
-                      ("tensor", torch.float32, (None, None)))
+    assert static == (("tensor", torch.int64, (None, (2, None))),
+                      ("tensor", torch.float32, (None, (2, None))))
 
 
 def test_data_dependent_falls_back_to_fx_with_notes():
@@ -324,5 +325,61 @@ def test_a_guarded_dynamic_dimension_recompiles_outside_its_range():
             x = torch.randn(4, seq, 8, dtype=torch.float64)
             with torch.no_grad():
                 torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    finally:
+        pipe.close()
+
+
+class _LengthOneBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.shape[1] > 1:  # coincides with export's own floor of 2: no range recorded
+            h = h - h.mean(1, keepdim=True)
+        return self.b(torch.tanh(h))
+
+
+def test_length_one_is_not_run_on_a_program_traced_for_longer_inputs():
+    import roundpipe
+    torch.manual_seed(0)
+    model = _LengthOneBranch().double()
+    pipe = roundpipe.compile(model, (torch.randn(6, 8, 8, dtype=torch.float64),),
+                             devices=["cpu"] * 2)
+    try:
+        for seq in (8, 1):
+            x = torch.randn(6, seq, 8, dtype=torch.float64)
+            with torch.no_grad():
+                torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    finally:
+        pipe.close()
+
+
+class _BatchBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h * 2 if x.shape[0] > 2 else h  # bounds the batch (microbatch) size
+
+
+def test_microbatches_outside_the_traced_range_get_a_clear_error():
+    import roundpipe
+    from roundpipe.errors import InputError
+    torch.manual_seed(0)
+    model = _BatchBranch().double()
+    pipe = roundpipe.compile(model, (torch.randn(9, 8, dtype=torch.float64),),
+                             devices=["cpu"] * 2,
+                             model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=3))
+    try:
+        x = torch.randn(9, 8, dtype=torch.float64)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+            with pytest.raises(InputError, match=r"microbatch 1 of 3, with tensor shapes "
+                                                 r"\[\(2, 8\)\]"):
+                pipe(torch.randn(7, 8, dtype=torch.float64))
     finally:
         pipe.close()

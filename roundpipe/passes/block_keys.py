@@ -16,9 +16,9 @@ Two keys, one cheap and one exact:
   equal the example's size is told apart from the size itself.
 
 A block is *not shareable* (:class:`NotShareable`) when it writes its inputs, its state
-or a tensor it did not make, reads a large tensor it was neither passed nor made (small
-ones, such as the literal index of ``x[..., [-2]]``, are keyed by value), changes its
-own attributes, or cannot run on static fake tensors.
+or a tensor it did not make, reads a tensor it was neither passed nor made (except small
+literals it writes itself, such as the index of ``x[..., [-2]]``, keyed by value),
+changes its own attributes, or cannot run on static fake tensors.
 """
 
 from __future__ import annotations
@@ -127,10 +127,12 @@ class _Recorder(TorchDispatchMode):
         self.alive: list[Any] = []  # every tensor described, so ids stay unique
         self.ops: list[Any] = []
 
-    def describe(self, x: Any) -> Any:
+    def describe(self, x: Any, literal: bool = False) -> Any:
         if isinstance(x, torch.Tensor):
             ref = self.refs.get(id(x))
             if ref is None:
+                if not literal:
+                    raise NotShareable("reads a tensor it was neither passed nor made")
                 return _literal(x, self.keep)
             return ref
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -151,8 +153,11 @@ class _Recorder(TorchDispatchMode):
                                                         or id(t) not in self.refs):
                         raise NotShareable(f"{func} writes the block's input or state, "
                                            "or a tensor it did not make")
+        # Real tensors reach an op as the argument of lift_fresh only when forward wrote a
+        # literal (torch.tensor([...]), x[..., [-2]]); any other is state kept elsewhere.
+        literal = func in _LIFTS
         record = (func, str(spec), torch.is_grad_enabled(),
-                  tuple(self.describe(x) for x in flat))
+                  tuple(self.describe(x, literal) for x in flat))
         out = func(*args, **kwargs)
         k = len(self.ops)
         for j, t in enumerate(pytree.tree_leaves(out)):
@@ -163,10 +168,13 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-# A real tensor a block reads without being passed it (a literal such as the index of
-# x[..., [-2], :], a table on a context object) is keyed by value up to this many elements;
-# export makes it a constant, which the copies then share.
+# A tensor literal a block writes (torch.tensor([...]), the index of x[..., [-2], :]) is
+# keyed by value up to this many elements; export makes it a constant, which the copies
+# then share.
 _LITERAL_MAX_ELEMENTS = 64
+_LIFTS = frozenset(getattr(torch.ops.aten, name).default
+                   for name in ("lift_fresh", "lift_fresh_copy", "lift")
+                   if hasattr(torch.ops.aten, name))
 
 
 def _literal(t: torch.Tensor, keep: list[Any]) -> Any:

@@ -305,6 +305,11 @@ def shared_blocks(model: torch.nn.Module, paths: tuple[str, ...], hide_state: bo
             shapes = (str(in_spec), tuple(input_key(x, keep) for x in flat))
         key = (look, shapes)
         unique = counts.get(look, 0) < 2
+        if unique and any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                          for x in flat):
+            # A size passed on reaches the fake run as a plain number, where it cannot be
+            # told from a constant of the same value: compare such blocks by trace only.
+            unshareable.add(key)
         if unique or key not in traced_once:
             if path in hidden_blocks:
                 raise SharingFailed(f"{path} has to be traced, but its state is hidden")

@@ -532,19 +532,21 @@ def _static_signature(value: Any, node: torch.fx.Node | None,
                       ranges: dict[Any, Any] | None = None) -> Any:
     """What a later call must match: dtype, the dims the trace specialised (ints), and
     the ranges export's guards put on dynamic dims (``(low, high)``, ``high`` None for
-    unbounded: a branch on ``T > 4`` was traced for those sizes only; export's own floor
-    of 2 is not kept, as microbatches of 1 run the same program).  ``None``: any size."""
+    unbounded: a branch on ``T > 4`` was traced for those sizes only; on the leading,
+    microbatched dimension export's own floor of 2 is not kept, as microbatches of 1 run
+    the same program).  ``None``: any size."""
     if not isinstance(value, torch.Tensor):
         return ("const", value)
     val = node.meta.get("val") if node is not None else None
     if isinstance(val, torch.Tensor):
-        dims = tuple(_dim_signature(d, ranges or {}) for d in val.shape)
+        dims = tuple(_dim_signature(d, ranges or {}, leading=i == 0)
+                     for i, d in enumerate(val.shape))
     else:
         dims = tuple(value.shape)
     return ("tensor", value.dtype, dims)
 
 
-def _dim_signature(dim: Any, ranges: dict[Any, Any]) -> Any:
+def _dim_signature(dim: Any, ranges: dict[Any, Any], leading: bool) -> Any:
     if isinstance(dim, int):
         return dim
     expr = dim.node.expr
@@ -560,7 +562,10 @@ def _dim_signature(dim: Any, ranges: dict[Any, Any]) -> Any:
         high = None
     if high is not None and high >= 2 ** 62:  # export's stand-ins for "no bound"
         high = None
-    if low <= 2:  # export's own floor (it specialises sizes 0 and 1), not a guard
+    if leading and low <= 2:
+        # Export's own floor (it specialises sizes 0 and 1) is dropped on the leading
+        # dimension only: microbatching splits it, and a microbatch of one runs the same
+        # program.  Elsewhere a size of 1 may have been traced past (`if T > 1`).
         low = 0
     return None if low == 0 and high is None else (low, high)
 
