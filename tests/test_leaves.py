@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import models
 import reference
@@ -145,3 +146,66 @@ def test_tracing_puts_back_instance_forwards():
     assert model.__dict__["forward"] is root_forward
     assert model.blocks[1].__dict__["forward"] is block_forward
     assert "forward" not in model.blocks[0].__dict__
+
+
+class _Masked(torch.nn.Module):
+    """A leaf whose forward reads a plain tensor attribute (neither parameter nor buffer);
+    it notes where that tensor lives each time it runs."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.mask = torch.linspace(0.5, 1.5, d)
+        self.seen: list[int] = []
+
+    def forward(self, x):
+        if not isinstance(self.mask, FakeTensor):  # the cost pass runs it on fakes
+            self.seen.append(self.mask.data_ptr())
+        return torch.relu(self.lin(x)) * self.mask
+
+
+class _GatedMasked(_Masked):
+    def forward(self, x):
+        y = super().forward(x)
+        return y if y.sum() > 0 else -y  # data-dependent: the torch.fx fallback
+
+
+class _MaskedNet(torch.nn.Module):
+    def __init__(self, block: type = _Masked, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([block(d) for _ in range(3)])
+        self.head = torch.nn.Linear(d, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("block, leaves, method", [(_Masked, [_Masked], "export-leaves"),
+                                                   (_GatedMasked, None, "fx")])
+def test_a_leaf_reads_its_plain_tensor_attributes_from_the_device(block, leaves, method):
+    """An opaque module's tensor attributes travel with its state: it runs on the device's
+    copy (on a GPU the host tensor would be on the wrong device), and training equals
+    eager; for export's leaf modules and the torch.fx fallback's opaque layers alike."""
+    torch.manual_seed(0)
+    model = _MaskedNet(block).double()
+    for b in model.blocks:
+        b.mask = b.mask.double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    label = torch.randn(6, 2, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2, leaf_modules=leaves,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    loss = pipe.forward_backward(input_args=(x,), label=label, loss_fn=reference.mse_first)
+    assert pipe.plan.program.trace_method == method
+    ref = reference.eager_forward_backward(eager, (x,), {}, label, reference.mse_first, 3)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    for (name, p), q in zip(pipe.optim_named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14)
+    for block in model.blocks:  # compiling ran the leaf on the host tensor; training not
+        block.seen.clear()
+    pipe.forward_backward(input_args=(x,), label=label, loss_fn=reference.mse_first)
+    for block in model.blocks:
+        assert block.seen and block.mask.data_ptr() not in block.seen
+    pipe.close()

@@ -196,7 +196,8 @@ def leaves_as_custom_ops(model: torch.nn.Module, leaves: tuple[str, ...],
                               if not isinstance(x, torch.Tensor)}
             site.num_tensor_inputs = len(tensors)
             state = (list(module.named_parameters(remove_duplicate=False))
-                     + list(module.named_buffers(remove_duplicate=False)))
+                     + list(module.named_buffers(remove_duplicate=False))
+                     + tensor_attributes(module))
             site.state_names = tuple(n for n, _ in state)
             outs = iter(opaque_call(tensors + [t for _, t in state], sid))
             flat_out = [next(outs) if isinstance(x, _TensorMeta) else x
@@ -213,6 +214,17 @@ def leaves_as_custom_ops(model: torch.nn.Module, leaves: tuple[str, ...],
     finally:
         for sid in used:
             _SITES.pop(sid, None)
+
+
+def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Plain tensor attributes (neither parameters nor buffers) of ``module`` and its
+    children: they travel with the state, so the leaf runs on the device's copies."""
+    found = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found.append((f"{prefix}.{name}" if prefix else name, value))
+    return found
 
 
 @contextlib.contextmanager

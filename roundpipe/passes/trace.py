@@ -48,6 +48,7 @@ from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
 from ..runtime.modcall import call_module_functional
 from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
+                     tensor_attributes,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
 from .shared_blocks import (SharingFailed, add_hidden_state, repeated_groups, shared_blocks,
                             splice_blocks)
@@ -709,7 +710,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             module = gm.get_submodule(node.target)
             mapping: dict[str, torch.fx.Node] = {}
             for local, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
-                    module.named_buffers(remove_duplicate=False)):
+                    module.named_buffers(remove_duplicate=False)) + tensor_attributes(module):
                 mapping[local] = slot_for(tensor, kind_of(tensor), f"{node.target}.{local}")
             with graph.inserting_before(node):
                 mod_ref = graph.get_attr(node.target)
