@@ -14,6 +14,7 @@ Modes:
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -28,25 +29,49 @@ def pin_host_state(state: ModelState, host: HostState, mode: str) -> int:  # pra
     """Pin every parameter and buffer ``host`` uploads; returns the bytes pinned."""
     if mode == "off" or not torch.cuda.is_available():
         return 0
+    if mode == "register":
+        # On a thread of its own: a failed cudaHostRegister leaves its error in the
+        # thread's last-error slot, where a later, unrelated kernel launch would report it.
+        done: list[int] = []
+        thread = threading.Thread(target=lambda: done.append(_register(state, host)),
+                                  name="roundpipe-pin")
+        thread.start()
+        thread.join()
+        pinned = done[0] if done else 0
+    else:
+        pinned = 0
+        seen: set[int] = set()
+        for tensor in host.tensors.values():
+            if id(tensor) in seen or tensor.is_pinned() or tensor.numel() == 0:
+                continue
+            seen.add(id(tensor))
+            # contiguous, so that an upload is one pinned copy, not a staged pageable one
+            tensor.data = tensor.data.contiguous().pin_memory()
+            pinned += tensor.numel() * tensor.element_size()
+    log.info("roundpipe: pinned %.1f MiB of host state (%s)", pinned / 2**20, mode)
+    return pinned
+
+
+_HOST_REGISTER_PORTABLE = 1  # pinned for every device, not only the current one
+
+
+def _register(state: ModelState, host: HostState) -> int:  # pragma: no cover - CUDA
+    cudart = torch.cuda.cudart()
     pinned = 0
     seen: set[int] = set()
     for tensor in host.tensors.values():
-        if id(tensor) in seen or tensor.is_pinned():
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in seen or storage.nbytes() == 0 or tensor.is_pinned():
+            continue  # tied weights and views share a storage: register it once
+        seen.add(ptr)
+        err = cudart.cudaHostRegister(ptr, storage.nbytes(), _HOST_REGISTER_PORTABLE)
+        if int(err) != 0:
+            log.warning("roundpipe: cudaHostRegister failed (%s) for a %d-byte storage; it "
+                        "stays pageable", err, storage.nbytes())
             continue
-        seen.add(id(tensor))
-        nbytes = tensor.numel() * tensor.element_size()
-        if mode == "alloc":
-            tensor.data = tensor.data.pin_memory()
-        else:
-            storage = tensor.untyped_storage()
-            err = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
-            if int(err) != 0:
-                log.warning("roundpipe: cudaHostRegister failed (%s) for a %d-byte tensor; it "
-                            "stays pageable", err, nbytes)
-                continue
-            state.registered.append(storage)
-        pinned += nbytes
-    log.info("roundpipe: pinned %.1f MiB of host state (%s)", pinned / 2**20, mode)
+        state.registered.append(storage)
+        pinned += storage.nbytes()
     return pinned
 
 
