@@ -5,6 +5,9 @@ out-of-memory path, memory_fraction, autocast in worker threads, and GradScaler.
 from __future__ import annotations
 
 import copy
+import itertools
+import threading
+import time
 
 import pytest
 import torch
@@ -14,7 +17,9 @@ import torch.nn.functional as F
 import models
 import reference
 from roundpipe import (ConfigError, GradScaler, OutOfMemoryError, PartitionError, RoundPipe,
-                       RoundPipeRunConfig)
+                       RoundPipeRunConfig, StageError)
+from roundpipe.runtime.devices import VirtualCPUDevice
+from roundpipe.runtime.executor import _JobRunner
 
 NUM_MB = 4
 
@@ -267,4 +272,155 @@ def test_grad_scaler_survives_a_step_that_was_refused():
     pipe.synchronize()
     for a, b in zip(pipe.model.parameters(), w0):
         assert torch.equal(a, b)
+    pipe.close()
+
+
+# --- downloads land asynchronously ----------------------------------------------------------
+
+def _late_downloads(monkeypatch, delay_s: float, fail_on: int | None = None):
+    """Every virtual download copies ``delay_s`` late on its device's waiter thread (the
+    host tensor stays unfilled until then); the ``fail_on``-th one raises instead."""
+    fill = VirtualCPUDevice._fill
+    count = itertools.count()
+
+    def late(self, out, tensor):
+        n = next(count)
+        time.sleep(delay_s)
+        if n == fail_on:
+            with self._lock:
+                self._download_errors.append(RuntimeError("copy engine fault"))
+            return
+        fill(self, out, tensor)
+    monkeypatch.setattr(VirtualCPUDevice, "_fill", late)
+
+
+def _train_bnnet_and_gpt(devices: int):
+    """Losses, outputs, gradients and updated buffers of one training call per model, and
+    the outputs and input gradients of forward() + backward()."""
+    results = []
+    for name in ("gpt", "bnnet"):
+        model, args, kwargs, label, loss_fn = reference.case(name, torch.float64)
+        pipe = RoundPipe(model, devices=["cpu"] * devices,
+                         model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB))
+        loss, out = pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=label,
+                                          loss_fn=loss_fn, return_outputs=True)
+        grads = [p.grad.clone() for p in pipe.optim_parameters()]
+        buffers = [b.clone() for b in pipe.model.buffers()]
+        x = args[0].clone()
+        x.requires_grad_(x.is_floating_point())
+        y = pipe(x, *args[1:], **kwargs)
+        reference.first_float(y).sum().backward()
+        results.append((loss, pytree_leaves(out), grads, buffers, pytree_leaves(y), x.grad))
+        pipe.close()
+    return results
+
+
+def pytree_leaves(value):
+    return [t.detach().clone() for t in torch.utils._pytree.tree_leaves(value)
+            if isinstance(t, torch.Tensor)]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_host_reads_wait_for_downloads_that_land_late(monkeypatch, devices):
+    """A download returns an unfilled host tensor that its device's waiter thread fills
+    later; with every copy delayed, any reader that did not wait for it (the next job,
+    the backward stash, losses, gradients, buffers, outputs) would read garbage.  The
+    results stay bitwise those of prompt copies."""
+    prompt = _train_bnnet_and_gpt(devices)
+    _late_downloads(monkeypatch, 0.002)
+    assert _same(_train_bnnet_and_gpt(devices), prompt)
+
+
+def test_the_controller_does_not_wait_for_a_microbatchs_downloads():
+    """The next microbatch starts while the last one's downloads are still copying: the
+    fused job's downloads (its loss, its outputs), landing only once its microbatch 1 has
+    begun, do not stall it."""
+    started = threading.Event()
+    timed_out = []
+    fill = VirtualCPUDevice._fill
+    run = _JobRunner.run_microbatch
+
+    def fill_after_next_start(self, out, tensor):
+        if not started.wait(timeout=10):
+            timed_out.append(True)
+        fill(self, out, tensor)
+
+    def run_and_signal(self, mb, next_ready):
+        if self.job.kind == "fused" and mb >= 1:
+            started.set()
+        return run(self, mb, next_ready)
+
+    pipe, args = _gpt_pipe(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VirtualCPUDevice, "_fill", fill_after_next_start)
+        mp.setattr(_JobRunner, "run_microbatch", run_and_signal)
+        pipe.forward_backward(**args)
+    assert started.is_set() and not timed_out
+    pipe.close()
+
+
+def _two_calls(pipe, args, between=None):
+    pipe.forward_backward(**args)
+    pipe.step(lambda: None)
+    pipe.synchronize()
+    if between is not None:
+        between()
+    for p in pipe.optim_parameters():
+        p.grad = None
+    loss = pipe.forward_backward(**args)
+    return loss, [p.grad.clone() for p in pipe.optim_parameters()]
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_download_that_fails_fails_the_call_and_commits_nothing(monkeypatch, devices):
+    pipe, args = _gpt_pipe(devices)
+    expected = _two_calls(pipe, args)
+    pipe.close()
+
+    pipe, args = _gpt_pipe(devices)
+
+    def failing_call():
+        grads = [p.grad.clone() for p in pipe.optim_parameters()]
+        weights = [p.detach().clone() for p in pipe.model.parameters()]
+        with monkeypatch.context() as mp:
+            _late_downloads(mp, 0.0, fail_on=5)
+            with pytest.raises(StageError, match="copy engine fault"):
+                pipe.forward_backward(**args)
+        assert _same([p.grad for p in pipe.optim_parameters()], grads)
+        assert _same([p.detach() for p in pipe.model.parameters()], weights)
+
+    # the failed call left nothing behind: the next one is the call that would have run
+    assert _same(_two_calls(pipe, args, between=failing_call), expected)
+    pipe.close()
+
+
+def test_unit_times_are_read_from_device_marks_when_the_call_ends(monkeypatch):
+    """Per-unit times come from marks in each device's compute (events on CUDA, where the
+    controller runs ahead of the GPU), read once the call has ended."""
+    calls = []
+
+    def one_second(self, start, end):
+        calls.append(threading.current_thread().name)
+        return 1.0
+
+    monkeypatch.setattr(VirtualCPUDevice, "seconds_between", one_second)
+    pipe, args = _gpt_pipe(2)
+    pipe.forward_backward(**args)
+    stats, plan = pipe.stats(), pipe.plan
+    fwd_units = [u for s in plan.stages if s.kind == "fwd" for u in range(*s.units)]
+    assert fwd_units and all(stats.unit_fwd_s[u] == NUM_MB for u in fwd_units)
+    # the fused and stage-grain backward ranges split their time over their units
+    bwd_units = [u for s in plan.stages if s.kind != "fwd" for u in range(*s.units)]
+    assert sum(stats.unit_bwd_s[u] for u in bwd_units) == pytest.approx(
+        NUM_MB * sum(1 for s in plan.stages if s.kind != "fwd"))
+    assert calls and all(name == threading.current_thread().name for name in calls)
     pipe.close()

@@ -7,14 +7,20 @@ virtual CPU device exercises the same ordering logic a GPU does:
 * the *weight loader* uploads a stage's state ahead of its job (``load_weights``): while
   job ``k`` computes, job ``k + D``'s weights are already on their way (double buffering);
 * the *activation loader* uploads the next microbatch's inputs while the current one
-  computes (``upload_async``).
+  computes (``upload_async``);
+* the *download waiter* learns when downloads have landed in host memory
+  (``after_downloads``), so the controller never blocks on a copy: it goes on launching
+  the next microbatch while the host side of the last one completes.
 
 A copy in flight is a :class:`Transfer`; ``result()`` returns the device tensor once the
 consumer may use it.  On CUDA the loaders enqueue copies on their own streams and record
 an event, and ``result()`` makes the compute stream wait for that event: ordering by
-events, never by device-wide synchronisation.  A :class:`VirtualCPUDevice` makes a real
-copy of everything uploaded to it, so aliasing bugs show without a GPU, and it can be given
-a memory capacity that uploads must fit in.
+events, never by device-wide synchronisation.  A download returns its host tensor at once;
+its contents are valid only once a later ``after_downloads()`` future has completed.  A
+:class:`VirtualCPUDevice` makes a real copy of everything uploaded to it, so aliasing bugs
+show without a GPU, it can be given a memory capacity that uploads must fit in, and its
+downloads are copied on the waiter thread, so a host read that does not wait for them sees
+an unfilled tensor in the tests instead of a race that only a GPU would show.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import os
 import re
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -125,6 +132,8 @@ class Device:
         self._controller = ThreadPoolExecutor(1, thread_name_prefix=f"{prefix}-jobs")
         self._weights = ThreadPoolExecutor(1, thread_name_prefix=f"{prefix}-weights")
         self._activations = ThreadPoolExecutor(1, thread_name_prefix=f"{prefix}-acts")
+        self._downloads = ThreadPoolExecutor(1, thread_name_prefix=f"{prefix}-downloads")
+        self._download_errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._resident = 0
         self._weight_resident = 0
@@ -132,11 +141,13 @@ class Device:
 
     # --- accounting ----------------------------------------------------------------------
     def reset_counters(self) -> None:
+        """Start a call: zero the counters, forget an earlier call's failed download."""
         with self._lock:
             self._up = dict.fromkeys(CATEGORIES, 0)
             self._down = dict.fromkeys(CATEGORIES, 0)
             self._peak = self._resident
             self._weight_peak = self._weight_resident
+            self._download_errors = []
 
     def counters(self) -> DeviceCounters:
         with self._lock:
@@ -209,10 +220,43 @@ class Device:
 
     def download(self, tensor: torch.Tensor, category: str = "activations",
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy a device tensor to host memory (into ``out`` when given) and wait."""
+        """Start copying a device tensor to host memory (into ``out`` when it has the same
+        shape and dtype) and return the host tensor, which must not be read before a later
+        :meth:`after_downloads` future completes.  Call on the controller thread."""
         raise NotImplementedError
 
+    def after_downloads(self) -> Future:
+        """A future that completes once every download started so far on the controller
+        thread has landed (with the error of one that failed)."""
+        return self._downloads.submit(self._land_downloads, self._download_fence())
+
+    def wait_downloads(self) -> None:
+        """Block until the downloads started so far have landed."""
+        self.after_downloads().result()
+
+    def _land_downloads(self, fence: Any) -> None:
+        self._wait_fence(fence)
+        with self._lock:
+            error = self._download_errors[0] if self._download_errors else None
+        if error is not None:  # sticky until the next call: its host values are unfilled
+            raise error
+
+    def mark(self) -> Any:
+        """A point in this device's compute, for timing (on the controller thread)."""
+        return time.perf_counter()
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        """Compute time between two marks (once the work between them is done)."""
+        return end - start
+
     # --- hooks for subclasses ------------------------------------------------------------
+    def _download_fence(self) -> Any:
+        """Mark the downloads issued so far (on the controller thread)."""
+        return None
+
+    def _wait_fence(self, fence: Any) -> None:
+        """Wait, on the waiter thread, until the downloads before ``fence`` are done."""
+
     def _copy_in(self, tensor: torch.Tensor, category: str, stream: Any) -> torch.Tensor:
         raise NotImplementedError
 
@@ -231,7 +275,7 @@ class Device:
         return copies
 
     def close(self) -> None:
-        for pool in (self._controller, self._weights, self._activations):
+        for pool in (self._controller, self._weights, self._activations, self._downloads):
             pool.shutdown(wait=True)
 
     def __repr__(self) -> str:
@@ -258,13 +302,20 @@ class VirtualCPUDevice(Device):
     def download(self, tensor: torch.Tensor, category: str = "activations",
                  out: torch.Tensor | None = None) -> torch.Tensor:
         tensor = tensor.detach()
-        if out is not None and out.shape == tensor.shape and out.dtype == tensor.dtype:
+        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype)
+        self._account_download(_nbytes(out), category)
+        # Copied on the waiter thread, like a copy on a CUDA download stream: the host
+        # tensor is filled only once an after_downloads() future issued after it completes.
+        self._downloads.submit(self._fill, out, tensor)
+        return out
+
+    def _fill(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        try:
             out.copy_(tensor)
-            copy = out
-        else:
-            copy = tensor.clone(memory_format=torch.contiguous_format)
-        self._account_download(_nbytes(copy), category)
-        return copy
+        except BaseException as e:  # noqa: BLE001 - reported by the next after_downloads
+            with self._lock:
+                self._download_errors.append(e)
 
 
 class CUDADevice(Device):  # pragma: no cover - needs a GPU
@@ -289,15 +340,22 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
             "activations": torch.cuda.Stream(self.torch_device),
             "download": torch.cuda.Stream(self.torch_device),
         }
-        for pool in (self._controller, self._weights, self._activations):
+        for pool in (self._controller, self._weights, self._activations, self._downloads):
             pool.submit(torch.cuda.set_device, index).result()
-        # Compute runs on a stream of its own, not on the legacy default stream, which
-        # would serialise with the copy streams.
+        # Compute runs on a stream of its own, so that work the caller queues on the
+        # default stream (and its implicit synchronisation) stays out of the pipeline.
         self._controller.submit(torch.cuda.set_stream, self._streams["compute"]).result()
 
     def free_bytes(self) -> int | None:
-        free, _total = torch.cuda.mem_get_info(self.torch_device)
-        return int(free)
+        """What this process can still allocate here: the driver's free memory plus what
+        the caching allocator holds unused, within ``set_per_process_memory_fraction``
+        (which the driver's count does not see)."""
+        free, total = torch.cuda.mem_get_info(self.torch_device)
+        allocated = torch.cuda.memory_allocated(self.torch_device)
+        cached = torch.cuda.memory_reserved(self.torch_device) - allocated
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch>=2.6
+        limit = (fraction(self.torch_device) if fraction is not None else 1.0) * total
+        return max(0, int(min(free + cached, limit - allocated)))
 
     def _weight_stream(self) -> Any:
         return self._streams["weights"]
@@ -317,9 +375,9 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
     def _cuda_copy(self, src: torch.Tensor, category: str, stream: Any) -> torch.Tensor:
         with torch.cuda.stream(stream):
             dst = torch.empty(src.shape, dtype=src.dtype, device=self.torch_device)
-            flat_src, flat_dst = src.reshape(-1), dst.view(-1)
             step = max(1, self.chunk_bytes // max(1, src.element_size()))
-            if category == "weights" and flat_src.numel() > step and src.is_contiguous():
+            if category == "weights" and src.numel() > step and src.is_contiguous():
+                flat_src, flat_dst = src.view(-1), dst.view(-1)
                 for start in range(0, flat_src.numel(), step):
                     flat_dst[start:start + step].copy_(flat_src[start:start + step],
                                                        non_blocking=True)
@@ -350,10 +408,29 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
             if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
                 out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             out.copy_(tensor, non_blocking=True)
-            tensor.record_stream(stream)
-        stream.synchronize()
+            tensor.record_stream(stream)  # not reused by compute before the copy is done
         self._account_download(_nbytes(out), category)
         return out
+
+    def mark(self) -> Any:
+        # GPU time, not launch time: the controller runs ahead of the kernels it queues.
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current (compute) stream
+        return event
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+    def _download_fence(self) -> Any:
+        # A blocking-sync event: the waiter sleeps instead of spinning on a core the
+        # optimizer thread wants.
+        event = torch.cuda.Event(blocking=True)
+        event.record(self._streams["download"])
+        return event
+
+    def _wait_fence(self, fence: Any) -> None:
+        fence.synchronize()  # on the waiter thread: the controller keeps launching work
 
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

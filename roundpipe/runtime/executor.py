@@ -28,10 +28,11 @@ weights, gradients and buffers as they were.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -149,6 +150,9 @@ class _Call:
     timeline: list[JobRecord] = field(default_factory=list)
     unit_fwd_s: dict[int, float] = field(default_factory=dict)
     unit_bwd_s: dict[int, float] = field(default_factory=dict)
+    # (table, {unit: share}, device, start mark, end mark), resolved when the call ends
+    timings: list[tuple[dict[int, float], dict[int, float], Device, Any, Any]] = field(
+        default_factory=list)
     autocast: tuple[str, torch.dtype] | None = None
     weights: dict[int, Transfer] = field(default_factory=dict)  # loads, by job index
     load_requested: dict[int, float] = field(default_factory=dict)
@@ -385,6 +389,10 @@ class Executor:
             if described is e:
                 raise e
             raise described from e
+        for table, shares, device, start, end in call.timings:
+            seconds = device.seconds_between(start, end)
+            for unit, share in shares.items():
+                table[unit] = table.get(unit, 0.0) + seconds * share
         stats = RunStats(
             devices=tuple(d.counters() for d in self.devices),
             timeline=tuple(sorted(call.timeline, key=lambda r: r.job)),
@@ -504,16 +512,21 @@ class Executor:
                         e._roundpipe_microbatch = mb  # type: ignore[attr-defined]
                         raise
                     spans.append((t, time.perf_counter() - call.t0))
-                    call.done[(job.index, mb)].set_result(None)
+                    # Readers of this microbatch's host values start once its downloads
+                    # have landed; this thread goes on with the next microbatch meanwhile.
+                    device.after_downloads().add_done_callback(
+                        functools.partial(_settle, call.done[(job.index, mb)]))
                 runner.finish()
             except BaseException:
                 for rest in range(mb, call.num_mb):
-                    fut = call.done[(job.index, rest)]
-                    if not fut.done():
-                        fut.set_exception(_Aborted())
+                    _settle(call.done[(job.index, rest)], None)
                 raise
             finally:
                 runner.release()
+                # Nothing of this job may still be copying into host memory when the call
+                # returns, failed or not (its error, if any, is already on its way).
+                with contextlib.suppress(BaseException):
+                    device.wait_downloads()
         with call.lock:
             call.timeline.append(JobRecord(
                 job=job.index, stage=job.stage, kind=job.kind,
@@ -522,6 +535,22 @@ class Executor:
                 microbatches=call.num_mb,
                 weights_requested_s=call.load_requested.get(job.index),
                 microbatch_s=tuple(spans)))
+
+
+def _settle(done: Future, landed: Future | None) -> None:
+    """Complete a microbatch's ``done`` future from its downloads' future (``None``: the
+    job failed); whichever of the job and the download waiter comes first wins."""
+    if landed is None or landed.cancelled():
+        error: BaseException | None = _Aborted()
+    else:
+        error = landed.exception()
+    try:
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 class _JobRunner:
@@ -618,7 +647,15 @@ class _JobRunner:
         their all-reduce starts while backward continues on earlier units."""
         call = self.call
         if call.on_grads is not None and mb == call.num_mb - 1:
-            call.on_grads(unit.index, unit.index + 1, self._stage_grads(unit.index))
+            staged = self._stage_grads(unit.index)
+            hook, start = call.on_grads, unit.index
+
+            def hand_over(landed: Future) -> None:
+                # The hook reads the gradients on the host, so it runs on the download
+                # waiter once they have landed; this thread goes on with the backward.
+                if not landed.cancelled() and landed.exception() is None:
+                    hook(start, start + 1, staged)
+            self.device.after_downloads().add_done_callback(hand_over)
 
     def finish(self) -> None:
         """After the last microbatch: download gradients and updated buffers."""
@@ -631,6 +668,9 @@ class _JobRunner:
                            if v in self.produced_here)
             for slot in mutated:
                 staged_buffers[slot] = self.device.download(self.state[slot], "buffers")
+        self.device.wait_downloads()
+        if self.job.kind == "fused" and not call.nonfinite_loss_ok:
+            self._check_losses()
         with call.lock:
             call.buffers.update(staged_buffers)
         if call.on_grads is not None and self.job.kind in ("fused", "bwd"):
@@ -729,7 +769,7 @@ class _JobRunner:
         values: dict[str, Any] = {}
         with torch.no_grad():
             for unit in self.units:
-                t = time.perf_counter()
+                t = self.device.mark()
                 args = [values[v] if v in values else self._host_value(mb, v, values)
                         for v in unit.inputs]
                 outs = self._call_unit(unit, args, mb)
@@ -806,7 +846,7 @@ class _JobRunner:
         values: dict[str, Any] = {}
         uploaded: dict[str, Any] = {}
         leaves: dict[tuple[int, str], Any] = {}
-        t = time.perf_counter()
+        t = self.device.mark()
         for unit in self.units:  # recompute the whole stage, keeping every unit's graph
             self._forward_unit_grad(unit, mb, values, uploaded, leaves)
         acc: dict[str, torch.Tensor] = {}
@@ -819,7 +859,7 @@ class _JobRunner:
         acc: dict[str, torch.Tensor] = {}
         uploaded: dict[str, Any] = {}  # a value several units read is uploaded once
         for unit in reversed(self.units):  # recompute one unit, run its backward, free it
-            t = time.perf_counter()
+            t = self.device.mark()
             values: dict[str, Any] = {}
             leaves: dict[tuple[int, str], Any] = {}
             self._forward_unit_grad(unit, mb, values, uploaded, leaves, from_host_only=True)
@@ -832,7 +872,7 @@ class _JobRunner:
         values: dict[str, Any] = {}
         uploaded: dict[str, Any] = {}
         leaves: dict[tuple[int, str], Any] = {}
-        t = time.perf_counter()
+        t = self.device.mark()
         for unit in self.units:
             self._forward_unit_grad(unit, mb, values, uploaded, leaves)
             self._apply_buffer_updates(unit, values)
@@ -866,31 +906,40 @@ class _JobRunner:
         for unit in reversed(self.units):
             self._backward_unit(unit, mb, values, acc, leaves)
         self._flush_grads(mb, acc)
-        host_loss = self.device.download(loss.detach(), "losses")
-        if not call.nonfinite_loss_ok and not bool(torch.isfinite(host_loss).all()):
-            raise LossError(
-                f"loss_fn returned {host_loss.item()} for microbatch {mb}; nothing was "
-                "committed. Check the inputs and the learning rate, or, for fp16 training, "
-                "use roundpipe.GradScaler, which skips such steps and lowers the scale")
-        call.losses[mb] = host_loss
+        # Checked once the job's downloads have landed (``finish``), not here: reading
+        # the loss now would make this thread wait for the GPU every microbatch.
+        call.losses[mb] = self.device.download(loss.detach(), "losses")
         self._publish(mb, values)
         self._time_range(self.call.unit_bwd_s, t)
 
-    # --- timing --------------------------------------------------------------------------
-    def _time(self, table: dict[int, float], unit: int, t: float) -> None:
-        dt = time.perf_counter() - t
-        with self.call.lock:
-            table[unit] = table.get(unit, 0.0) + dt
+    def _check_losses(self) -> None:
+        for mb, loss in enumerate(self.call.losses):
+            if loss is not None and not bool(torch.isfinite(loss).all()):
+                error = LossError(
+                    f"loss_fn returned {loss.item()} for microbatch {mb}; nothing was "
+                    "committed. Check the inputs and the learning rate, or, for fp16 "
+                    "training, use roundpipe.GradScaler, which skips such steps and lowers "
+                    "the scale")
+                error._roundpipe_microbatch = mb  # type: ignore[attr-defined]
+                raise error
 
-    def _time_range(self, table: dict[int, float], t: float) -> None:
+    # --- timing --------------------------------------------------------------------------
+    def _time(self, table: dict[int, float], unit: int, start: Any) -> None:
+        self._record_time(table, {unit: 1.0}, start)
+
+    def _time_range(self, table: dict[int, float], start: Any) -> None:
         """Split a stage-level time over its units in proportion to their estimates."""
-        dt = time.perf_counter() - t
         costs = self.ex.plan.costs[self.job.start:self.job.stop]
         total = sum(c.fwd_time_s for c in costs) or 1.0
-        with self.call.lock:
-            for unit, c in zip(self.units, costs):
-                table[unit.index] = table.get(unit.index, 0.0) + dt * c.fwd_time_s / total
+        self._record_time(table, {u.index: c.fwd_time_s / total
+                                  for u, c in zip(self.units, costs)}, start)
 
+    def _record_time(self, table: dict[int, float], shares: dict[int, float], start: Any
+                     ) -> None:
+        # Read when the call ends: on CUDA the marks are events on the compute stream, and
+        # reading them now would wait for the GPU.
+        with self.call.lock:
+            self.call.timings.append((table, shares, self.device, start, self.device.mark()))
 
 def _check_loss(loss: Any, mb: int) -> None:
     if not isinstance(loss, torch.Tensor):
