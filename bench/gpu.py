@@ -15,8 +15,11 @@ Measures, in one run so ratios are comparable:
 5. with ``--largest``: Llama shapes of about 3B and 7B parameters under the same 24 GiB
    cap, each either training (tokens/s) or failing (how).
 
-Results print as tables and are written to ``bench/results/gpu-<device>.json``; copy the
-figures into ``docs/benchmarks.md`` with the device name and the date.
+Results print as tables and are written to ``bench/results/gpu-<device>.json`` after
+every section (a crash keeps what was measured; a failed measurement is recorded as text).
+A full run can exceed a 10-minute command limit: split it with ``--sections machine,sweep``
+then ``--sections capped,fits``; the JSON file collects them.  Copy the figures into
+``docs/benchmarks.md`` with the device name and the date.
 """
 
 from __future__ import annotations
@@ -141,10 +144,16 @@ def busy_fraction(run: Callable[[], Any]) -> float:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     kernel_us = 0.0
+    kernels = 0
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith(
-                ("Memcpy", "Memset")):
+        # device-side record_function ranges overlap the kernels they contain
+        if (event.device_type == torch.autograd.DeviceType.CUDA
+                and not getattr(event, "is_user_annotation", False)
+                and not event.name.startswith(("Memcpy", "Memset"))):
             kernel_us += event.time_range.elapsed_us()
+            kernels += 1
+    if kernels == 0:  # the profiler saw no kernel of the worker threads: no figure
+        return float("nan")
     return kernel_us / 1e6 / wall / max(1, torch.cuda.device_count())
 
 
@@ -162,19 +171,40 @@ def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: i
         pipe.forward_backward(input_args=(x,), label=y, loss_fn=lm_loss)
         pipe.step(lambda: (opt.step(), opt.zero_grad()))
 
-    seconds = median_time(step, repeat=steps)
-    stats = pipe.stats()
-    busy = busy_fraction(step)
-    pipe.synchronize()
-    result = {
-        "tokens_per_s": batch * seq / seconds,
-        "step_s": seconds,
-        "upload_GBps": stats.bytes_uploaded / stats.wall_s / 1e9,
-        "busy_fraction": busy,
-        "stages": len(pipe.plan.stages),
-    }
-    pipe.close()
-    return result
+    try:
+        seconds = median_time(step, repeat=steps)
+        stats = pipe.stats()
+        busy = busy_fraction(step)
+        pipe.synchronize()
+        return {
+            "tokens_per_s": batch * seq / seconds,
+            "step_s": seconds,
+            "upload_GBps": stats.bytes_uploaded / stats.wall_s / 1e9,
+            "busy_fraction": busy,
+            "stages": len(pipe.plan.stages),
+            "peak_allocated_GiB": torch.cuda.max_memory_allocated() / GiB,
+        }
+    finally:
+        pipe.close()
+        release_memory()
+
+
+def release_memory() -> None:
+    """Between measurements: what one model cached must not shrink the next one's plan."""
+    import gc
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def attempt(fn: Callable[[], Any]) -> Any:
+    """Run one measurement; a failure is recorded as text (it is a result too)."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - reported, and the other sections still run
+        release_memory()
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
 def timed_training(model: nn.Module, batch: int, seq: int, vocab: int, steps: int
@@ -229,12 +259,25 @@ def fsdp2_offload_step(model: nn.Module, batch: int, seq: int, vocab: int, steps
     return timed_training(model, batch, seq, vocab, steps)
 
 
+SECTIONS = ("machine", "sweep", "capped", "fits", "largest")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer steps")
     parser.add_argument("--largest", action="store_true",
                         help="also try ~3B and ~7B Llama shapes under the 24 GiB cap")
+    parser.add_argument("--sections", default=",".join(SECTIONS[:-1]),
+                        help=f"comma-separated subset of {','.join(SECTIONS)}, so a run can "
+                             "be split over several commands; results are merged into the "
+                             "JSON file")
     args = parser.parse_args()
+    sections = {x.strip() for x in args.sections.split(",") if x.strip()}
+    if args.largest:
+        sections.add("largest")
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         print("bench/gpu.py: skipped, no CUDA device is visible")
         return 0
@@ -243,84 +286,106 @@ def main() -> int:
     name = torch.cuda.get_device_name(0)
     total = torch.cuda.get_device_properties(0).total_memory
     steps = 3 if args.quick else 5
-    results: dict[str, Any] = {"device": name, "count": torch.cuda.device_count(),
-                               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"gpu-{name.replace(' ', '_')}{'-quick' if args.quick else ''}"
+                                 ".json")
+    results: dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+    results.update({"device": name, "count": torch.cuda.device_count(),
+                    "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__})
 
-    pinned, pageable, rate = copy_bandwidth(True), copy_bandwidth(False), matmul_rate()
-    crossover = rate * 1e12 / (pinned * 1e9)  # tokens: 2*P*T flops vs 2*P bytes (bf16)
-    results["machine"] = {"pinned_GBps": pinned, "pageable_GBps": pageable,
-                          "bf16_TFLOPs": rate, "crossover_tokens": crossover}
-    print(tabulate([[name, f"{pinned:.1f}", f"{pageable:.1f}", f"{rate:.0f}",
-                     f"{crossover:,.0f}"]],
-                   headers=["device", "pinned H2D GB/s", "pageable GB/s", "bf16 TFLOP/s",
-                            "crossover tokens/mb"]))
+    def save(key: str, value: Any) -> None:  # after every section: a crash keeps the rest
+        results[key] = value
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        print(f"wrote {key} to {path}", flush=True)
 
-    d, layers, heads, ffn, vocab = (1024, 8, 8, 2816, 32000) if args.quick else \
-        (2048, 16, 16, 5632, 32000)
-    sweep = []
-    for tokens in ([2048, 8192] if args.quick else [2048, 8192, 16384, 32768]):
-        seq = 2048
-        num_mb = torch.cuda.device_count() + 1
-        batch = max(num_mb, tokens * num_mb // seq)
-        model = Llama(vocab, d, layers, heads, ffn).to(torch.bfloat16)
-        r = roundpipe_step(model, batch, seq, vocab, num_mb, steps)
-        r["tokens_per_microbatch"] = batch * seq // num_mb
-        sweep.append(r)
-    results["sweep"] = sweep
-    print(tabulate([[r["tokens_per_microbatch"], f"{r['tokens_per_s']:,.0f}",
-                     f"{r['busy_fraction']:.2f}", f"{r['upload_GBps']:.1f}", r["stages"]]
-                    for r in sweep],
-                   headers=["tokens/mb", "tokens/s", "GPU busy", "upload GB/s", "stages"]))
-
-    # A ~1.3B model under a 24 GiB cap: eager should not fit, roundpipe should train.
-    cap = min(1.0, 24 * GiB / total)
-    torch.cuda.set_per_process_memory_fraction(cap, 0)
-    big = (2048, 24, 16, 5632, 32000) if not args.quick else (2048, 8, 16, 5632, 32000)
-    seq, batch = 2048, 8
-    model = Llama(vocab, big[0], big[1], big[2], big[3]).to(torch.bfloat16)
-    params = sum(p.numel() for p in model.parameters())
-    eager = eager_step(model, batch, seq, vocab, steps)
-    rp = roundpipe_step(model, batch, seq, vocab, torch.cuda.device_count() + 1, steps)
-    torch.cuda.set_per_process_memory_fraction(1.0, 0)
-    results["capped"] = {"params": params, "cap_GiB": cap * total / GiB, "eager": eager,
-                         "roundpipe": rp}
-    print(tabulate([[f"{params / 1e9:.2f} B", f"{cap * total / GiB:.0f} GiB",
-                     eager if isinstance(eager, str) else f"{eager['tokens_per_s']:,.0f} tok/s",
-                     f"{rp['tokens_per_s']:,.0f} tok/s", f"{rp['busy_fraction']:.2f}"]],
-                   headers=["model", "memory cap", "eager", "roundpipe", "GPU busy"]))
-
-    # A model that fits: roundpipe against eager and FSDP2 with CPU offload.
-    fits = lambda: Llama(vocab, 1024, 12, 8, 2816).to(torch.bfloat16)  # noqa: E731
-    e = eager_step(fits(), 8, 2048, vocab, steps)
-    f = fsdp2_offload_step(fits(), 8, 2048, vocab, steps)
-    r = roundpipe_step(fits(), 8, 2048, vocab, torch.cuda.device_count() + 1, steps)
-    results["fits"] = {"eager": e, "fsdp2_cpu_offload": f, "roundpipe": r}
     cell = lambda v: v if isinstance(v, str) else f"{v['tokens_per_s']:,.0f}"  # noqa: E731
-    print(tabulate([[cell(e), cell(f), cell(r)]],
-                   headers=["eager tok/s", "FSDP2 + CPUOffload tok/s", "roundpipe tok/s"]))
+    vocab = 32000
+    cap = min(1.0, 24 * GiB / total)
 
-    if args.largest:
+    if "machine" in sections:
+        pinned, pageable, rate = copy_bandwidth(True), copy_bandwidth(False), matmul_rate()
+        crossover = rate * 1e12 / (pinned * 1e9)  # tokens: 2*P*T flops vs 2*P bytes (bf16)
+        save("machine", {"pinned_GBps": pinned, "pageable_GBps": pageable,
+                         "bf16_TFLOPs": rate, "crossover_tokens": crossover})
+        print(tabulate([[name, f"{pinned:.1f}", f"{pageable:.1f}", f"{rate:.0f}",
+                         f"{crossover:,.0f}"]],
+                       headers=["device", "pinned H2D GB/s", "pageable GB/s", "bf16 TFLOP/s",
+                                "crossover tokens/mb"]))
+        release_memory()
+
+    if "sweep" in sections:
+        d, layers, heads, ffn = (1024, 8, 8, 2816) if args.quick else (2048, 16, 16, 5632)
+        sweep = []
+        for tokens in ([2048, 8192] if args.quick else [2048, 8192, 16384, 32768]):
+            seq = 2048
+            num_mb = torch.cuda.device_count() + 1
+            batch = max(num_mb, tokens * num_mb // seq)
+            model = Llama(vocab, d, layers, heads, ffn).to(torch.bfloat16)
+            r = attempt(lambda: roundpipe_step(model, batch, seq, vocab, num_mb, steps))
+            del model
+            if isinstance(r, str):
+                r = {"error": r}
+            r["tokens_per_microbatch"] = batch * seq // num_mb
+            sweep.append(r)
+            save("sweep", sweep)
+        print(tabulate([[r["tokens_per_microbatch"], r.get("error") or
+                         f"{r['tokens_per_s']:,.0f}", f"{r.get('busy_fraction', 0):.2f}",
+                         f"{r.get('upload_GBps', 0):.1f}", r.get("stages")] for r in sweep],
+                       headers=["tokens/mb", "tokens/s", "GPU busy", "upload GB/s", "stages"]))
+
+    if "capped" in sections:
+        # A ~1.3B model under a 24 GiB cap: eager should not fit, roundpipe should train.
+        torch.cuda.set_per_process_memory_fraction(cap, 0)
+        big = (2048, 24, 16, 5632) if not args.quick else (2048, 8, 16, 5632)
+        seq, batch = 2048, 8
+        model = Llama(vocab, *big).to(torch.bfloat16)
+        params = sum(p.numel() for p in model.parameters())
+        eager = eager_step(model, batch, seq, vocab, steps)
+        release_memory()
+        rp = attempt(lambda: roundpipe_step(model, batch, seq, vocab,
+                                            torch.cuda.device_count() + 1, steps))
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        del model
+        save("capped", {"params": params, "cap_GiB": cap * total / GiB, "eager": eager,
+                        "roundpipe": rp})
+        print(tabulate([[f"{params / 1e9:.2f} B", f"{cap * total / GiB:.0f} GiB",
+                         cell(eager), cell(rp),
+                         "" if isinstance(rp, str) else f"{rp['busy_fraction']:.2f}"]],
+                       headers=["model", "memory cap", "eager tok/s", "roundpipe tok/s",
+                                "GPU busy"]))
+
+    if "fits" in sections:
+        # A model that fits: roundpipe against eager and FSDP2 with CPU offload.
+        fits = lambda: Llama(vocab, 1024, 12, 8, 2816).to(torch.bfloat16)  # noqa: E731
+        e = attempt(lambda: eager_step(fits(), 8, 2048, vocab, steps))
+        release_memory()
+        f = attempt(lambda: fsdp2_offload_step(fits(), 8, 2048, vocab, steps))
+        release_memory()
+        r = attempt(lambda: roundpipe_step(fits(), 8, 2048, vocab,
+                                           torch.cuda.device_count() + 1, steps))
+        save("fits", {"eager": e, "fsdp2_cpu_offload": f, "roundpipe": r})
+        print(tabulate([[cell(e), cell(f), cell(r)]],
+                       headers=["eager tok/s", "FSDP2 + CPUOffload tok/s", "roundpipe tok/s"]))
+
+    if "largest" in sections:
         torch.cuda.set_per_process_memory_fraction(cap, 0)
         largest = []
         for label, shape in (("~3B", (3072, 26, 24, 8192)), ("~7B", (4096, 32, 32, 11008))):
             model = Llama(vocab, *shape).to(torch.bfloat16)
             n = sum(p.numel() for p in model.parameters())
-            try:
-                rp = roundpipe_step(model, 8, 2048, vocab, torch.cuda.device_count() + 1, 2)
-                largest.append([label, f"{n / 1e9:.2f} B", f"{rp['tokens_per_s']:,.0f} tok/s"])
-            except Exception as exc:  # noqa: BLE001 - the failure is the measurement
-                largest.append([label, f"{n / 1e9:.2f} B", f"failed: {type(exc).__name__}"])
+            rp = attempt(lambda: roundpipe_step(model, 8, 2048, vocab,
+                                                torch.cuda.device_count() + 1, 2))
+            largest.append([label, f"{n / 1e9:.2f} B", cell(rp)])
             del model
+            release_memory()
+            save("largest", largest)
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
-        results["largest"] = largest
-        print(tabulate(largest, headers=["shape", "params", "roundpipe under 24 GiB"]))
-
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"gpu-{name.replace(' ', '_')}.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2, default=str)
-    print(f"wrote {path}")
+        print(tabulate(largest, headers=["shape", "params", "roundpipe tok/s under 24 GiB"]))
     return 0
 
 
