@@ -5,6 +5,8 @@ Measures, in one run so ratios are comparable:
 1. the machine: pinned and pageable host-to-device copy bandwidth, bf16 matmul rate, and
    the crossover tokens/microbatch above which a layer's weight upload hides under its
    compute (matmul rate / PCIe bandwidth);
+   the ``pin_memory`` modes: tokens/s, upload GB/s, set-up time and host memory growth of
+   ``"off"``, ``"register"`` and ``"alloc"`` on the same model;
 2. a sweep of tokens per microbatch on a Llama-shaped stack: roundpipe tokens/s, GPU busy
    fraction (compute-kernel time / wall time) and achieved upload GB/s;
 3. a ~1.3B-parameter Llama-shaped bf16 model under a 24 GiB memory cap
@@ -157,14 +159,26 @@ def busy_fraction(run: Callable[[], Any]) -> float:
     return kernel_us / 1e6 / wall / max(1, torch.cuda.device_count())
 
 
+def rss_bytes() -> int:
+    """This process's resident host memory (pinned pages included)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: int,
-                   steps: int) -> dict[str, float]:
+                   steps: int, pin_memory: str = "alloc") -> dict[str, float]:
     import roundpipe
     from roundpipe import RoundPipeRunConfig
     x = torch.randint(0, vocab, (batch, seq))
     y = torch.randint(0, vocab, (batch, seq))
-    pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32,
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32, pin_memory=pin_memory,
                              model_run_config=RoundPipeRunConfig(num_microbatch=num_mb))
+    compile_s = time.perf_counter() - t0  # tracing, planning and pinning
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-4)
 
     def step() -> None:
@@ -183,6 +197,9 @@ def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: i
             "busy_fraction": busy,
             "stages": len(pipe.plan.stages),
             "peak_allocated_GiB": torch.cuda.max_memory_allocated() / GiB,
+            "compile_s": compile_s,
+            "host_rss_growth_GiB": (rss_bytes() - rss0) / GiB,
+            "model_GiB": sum(p.numel() * p.element_size() for p in model.parameters()) / GiB,
         }
     finally:
         pipe.close()
@@ -259,7 +276,7 @@ def fsdp2_offload_step(model: nn.Module, batch: int, seq: int, vocab: int, steps
     return timed_training(model, batch, seq, vocab, steps)
 
 
-SECTIONS = ("machine", "sweep", "capped", "fits", "largest")
+SECTIONS = ("machine", "pinning", "sweep", "capped", "fits", "largest")
 
 
 def main() -> int:
@@ -317,6 +334,25 @@ def main() -> int:
                        headers=["device", "pinned H2D GB/s", "pageable GB/s", "bf16 TFLOP/s",
                                 "crossover tokens/mb"]))
         release_memory()
+
+    if "pinning" in sections:
+        # What each pin_memory mode costs: host memory (fp32 masters and the optimizer's
+        # own state included, alike in every mode), set-up time and upload speed.
+        rows = []
+        for mode in ("off", "register", "alloc"):
+            model = Llama(vocab, 2048, 4 if args.quick else 8, 16, 5632).to(torch.bfloat16)
+            r = attempt(lambda: roundpipe_step(model, 8, 2048, vocab,
+                                               torch.cuda.device_count() + 1, steps, mode))
+            del model
+            release_memory()
+            rows.append({"pin_memory": mode, **({"error": r} if isinstance(r, str) else r)})
+            save("pinning", rows)
+        print(tabulate([[r["pin_memory"], r.get("error") or f"{r['tokens_per_s']:,.0f}",
+                         f"{r.get('upload_GBps', 0):.1f}", f"{r.get('compile_s', 0):.1f}",
+                         f"{r.get('host_rss_growth_GiB', 0):.2f}",
+                         f"{r.get('model_GiB', 0):.2f}"] for r in rows],
+                       headers=["pin_memory", "tokens/s", "upload GB/s", "compile s",
+                                "host RSS growth GiB", "model GiB"]))
 
     if "sweep" in sections:
         d, layers, heads, ffn = (1024, 8, 8, 2816) if args.quick else (2048, 16, 16, 5632)
