@@ -48,10 +48,65 @@ def test_gpt_on_gpus_matches_eager_on_cpu(grain):
     for p, q in zip(pipe.optim_parameters(), eager.parameters()):
         assert p.device.type == "cpu"
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
-    stats = pipe.stats()
+    stats, plan = pipe.stats(), pipe.plan
     assert sum(d.uploaded["weights"] for d in stats.devices) == sum(
-        s.param_bytes for s in pipe.plan.stages)
+        s.param_bytes for s in plan.stages)
+    n = len(pipe.devices)
+    for d, counters in enumerate(stats.devices):  # the stage computing + the one prefetched
+        sizes = sorted((s.param_bytes for s in plan.stages if s.index % n == d), reverse=True)
+        assert counters.peak_weight_bytes <= sum(sizes[:2])
+    # per-unit times are GPU time from events on the compute stream
+    assert stats.unit_fwd_s and all(t > 0 for t in stats.unit_fwd_s.values())
+    assert stats.unit_bwd_s and all(t > 0 for t in stats.unit_bwd_s.values())
     pipe.close()
+
+
+def test_upload_volume_equals_the_plan_on_gpus():
+    """The accounting test of tests/test_streaming.py, on the real devices: even
+    microbatches, so the plan's per-microbatch bytes are exact."""
+    model, (idx,), kwargs = models.gpt(batch=8)
+    labels = torch.randint(0, 64, idx.shape)
+    pipe = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    pipe.forward_backward(input_args=(idx,), input_kwargs=kwargs, label=labels,
+                          loss_fn=models.lm_loss)
+    stats, plan = pipe.stats(), pipe.plan
+    assert sum(d.uploaded["weights"] for d in stats.devices) == sum(
+        s.param_bytes for s in plan.stages)
+    assert sum(d.uploaded["activations"] for d in stats.devices) == 4 * sum(
+        s.act_in_bytes for s in plan.stages) - _handed_bytes(pipe, 4)
+    assert sum(d.uploaded["labels"] for d in stats.devices) == labels.numel() * 8
+    pipe.close()
+
+
+def _handed_bytes(pipe, num_mb: int) -> int:
+    """Activation bytes consecutive jobs on one device hand over without an upload."""
+    if len(pipe.devices) > 1:
+        return 0
+    plan, report = pipe.plan, pipe._current.analysis.report
+    fused = plan.fused_stage
+    last_fwd = plan.stages[fused.index - 1]
+    return num_mb * sum(v.nbytes for v in report.values.values()
+                        if last_fwd.units[0] <= v.def_unit < last_fwd.units[1]
+                        and any(fused.units[0] <= u < fused.units[1] for u in v.use_units))
+
+
+def test_free_memory_respects_the_per_process_fraction():
+    script = textwrap.dedent("""
+        import torch, torch.nn as nn
+        from roundpipe import RoundPipe
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(0.1, 0)
+        pipe = RoundPipe(nn.Linear(8, 8), devices=["cuda:0"])
+        hold = torch.empty(int(0.05 * total), dtype=torch.uint8, device="cuda:0")
+        free = pipe.devices[0].free_bytes()
+        print("RATIO", free / total)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    ratios = [float(line.split()[1]) for line in out.stdout.splitlines()
+              if line.startswith("RATIO")]
+    assert ratios, out.stderr[-2000:]
+    assert 0.03 < ratios[0] <= 0.05 + 1e-3  # 10% allowed, 5% held
 
 
 def test_one_and_all_gpus_are_bitwise_identical():
