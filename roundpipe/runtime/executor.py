@@ -941,6 +941,7 @@ class _JobRunner:
         with self.call.lock:
             self.call.timings.append((table, shares, self.device, start, self.device.mark()))
 
+
 def _check_loss(loss: Any, mb: int) -> None:
     if not isinstance(loss, torch.Tensor):
         raise LossError(f"loss_fn returned a {type(loss).__name__} for microbatch {mb}; it "
