@@ -697,9 +697,11 @@ class Grid(nn.Module):
         self.pre = nn.Linear(8, 8)
         self.h = nn.ModuleList([Windowed() for _ in range(4)])
 
-    def forward(self, x):
-        height, width = x.shape[1], x.shape[2]
-        x = self.pre(x.flatten(1, 2))
+    def forward(self, x, grid):
+        # x: (B, H*W, 8); grid: an (H, W) map, an integer input, so export keeps the sizes
+        # symbolic (floating 4-d inputs, images, are traced with static sizes)
+        height, width = grid.shape
+        x = self.pre(x).reshape(x.shape[0], height * width, 8)
         for block in self.h:
             x = block(x, height, width)
         return x
@@ -708,12 +710,14 @@ class Grid(nn.Module):
 def test_blocks_given_symbolic_sizes_share_and_keep_them_symbolic():
     torch.manual_seed(0)
     model = Grid().double()
-    traced = trace(model, (torch.randn(2, 3, 4, 8, dtype=torch.float64),),
+    traced = trace(model, (torch.randn(2, 12, 8, dtype=torch.float64),
+                           torch.zeros(3, 4, dtype=torch.int64)),
                    leaf_modules=find_unit_roots(model))
     assert traced.method == "export" and traced.copied == ("h.1", "h.2", "h.3")
-    for shape in [(2, 3, 4, 8), (3, 5, 2, 8)]:
-        x = torch.randn(*shape, dtype=torch.float64)
-        torch.testing.assert_close(_run_traced_graph(traced, model, (x,), {}), model(x),
+    for b, h, w in [(2, 3, 4), (3, 5, 2)]:
+        args = (torch.randn(b, h * w, 8, dtype=torch.float64),
+                torch.zeros(h, w, dtype=torch.int64))
+        torch.testing.assert_close(_run_traced_graph(traced, model, args, {}), model(*args),
                                    rtol=0, atol=1e-12)
 
 

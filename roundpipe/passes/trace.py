@@ -16,8 +16,9 @@ share one slot (deduplicated by tensor identity, not by name).  Each node carrie
 ``meta["roundpipe.module_path"]`` (the innermost module that ran it) and, for in-place
 writes to state, ``meta["roundpipe.mutates"]``.
 
-``torch.export.export(strict=False)`` is tried first with every input dimension marked
-``Dim.AUTO`` (export keeps what it can dynamic), then with static shapes, then
+``torch.export.export(strict=False)`` is tried first with input dimensions marked
+``Dim.AUTO`` (export keeps what it can dynamic; image sizes stay static, see
+``_dynamic_dims``), then with static shapes, then
 ``torch.fx`` symbolic tracing where the layer units are opaque leaves, called through
 ``torch.func.functional_call`` so their state stays explicit.
 """
@@ -271,7 +272,7 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
                 shapes = ShapesCollection()
                 for leaf in pytree.tree_leaves((args, kwargs)):
                     if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                        shapes[leaf] = {d: Dim.AUTO for d in range(leaf.dim())}
+                        shapes[leaf] = _dynamic_dims(leaf)
                 dynamic_shapes = shapes.dynamic_shapes(model, ((args, kwargs),))
             ep = _quiet_export(model, ((args, kwargs),), {}, dynamic_shapes)
             gm = ep.graph_module
@@ -786,6 +787,16 @@ def _get_attr(root: torch.nn.Module, target: str) -> Any:
 
 
 # --- shared helpers --------------------------------------------------------------------
+
+def _dynamic_dims(tensor: torch.Tensor) -> dict[int, Any]:
+    """The dimensions export is asked to keep dynamic: all, except those past the batch
+    of floating tensors with 4 or more (images, video).  Training images have one size,
+    and symbolic image sizes make export of window-attention models (Swin's padding and
+    window partition) about 50x slower; a new size gets a program of its own."""
+    if tensor.is_floating_point() and tensor.dim() >= 4:
+        return {0: Dim.AUTO}
+    return {d: Dim.AUTO for d in range(tensor.dim())}
+
 
 def _named_state(model: torch.nn.Module) -> dict[int, tuple[str, tuple[str, ...]]]:
     """Map tensor identity to (canonical name, other names) for parameters and buffers."""
