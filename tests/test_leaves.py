@@ -209,3 +209,154 @@ def test_a_leaf_reads_its_plain_tensor_attributes_from_the_device(block, leaves,
     for block in model.blocks:
         assert block.seen and block.mask.data_ptr() not in block.seen
     pipe.close()
+
+
+# --- custom autograd.Functions, data-dependent flags, calls into child modules ------------
+
+class _STE(torch.autograd.Function):
+    """Straight-through rounding: its backward is not the derivative of its forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _STEBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + _STE.apply(torch.tanh(self.lin(x)))
+
+
+class _KwargsNet(torch.nn.Module):
+    """``forward(x, **kwargs)``: no torch.fx fallback, as in Hugging Face models."""
+
+    def __init__(self, block: type, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([block() for _ in range(n)])
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x, **kwargs):
+        for b in self.blocks:
+            x = b(x, **kwargs)
+        return self.head(x)
+
+
+def _matches_eager(model, args, kwargs, label) -> RoundPipe:
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    loss = pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=label,
+                                 loss_fn=reference.mse_first)
+    ref = reference.eager_forward_backward(eager, args, kwargs, label, reference.mse_first, 2)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    for (name, p), q in zip(pipe.optim_named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=name)
+    return pipe
+
+
+def test_a_custom_autograd_function_keeps_its_own_backward():
+    """Export writes a Function's forward out as plain ops; differentiating those would
+    give the rounding's zero gradient instead of the straight-through one.  The module
+    calling it is kept opaque, so autograd calls the Function's backward."""
+    torch.manual_seed(0)
+    model = _KwargsNet(_STEBlock).double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe = _matches_eager(model, (x,), {}, torch.randn(6, 2, dtype=torch.float64))
+    assert pipe.plan.program.trace_method == "export-leaves"
+    assert "CustomBackwardFunction" in pipe.plan.notes[0] and "_STE" in pipe.plan.notes[0]
+    assert pipe.plan.notes[-1].endswith("_STEBlock at blocks.0 and 2 more")
+    pipe.close()
+
+
+class _NoGradFunctionBlock(_STEBlock):
+    def forward(self, x):
+        with torch.no_grad():
+            scale = _STE.apply(x.abs().mean())  # needs no gradient: traced as plain ops
+        return x + torch.tanh(self.lin(x)) * scale
+
+
+def test_a_custom_function_that_needs_no_gradient_is_exported():
+    torch.manual_seed(0)
+    model = _KwargsNet(_NoGradFunctionBlock).double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe = _matches_eager(model, (x,), {}, torch.randn(6, 2, dtype=torch.float64))
+    assert pipe.plan.program.trace_method == "export" and pipe.plan.notes == ()
+    pipe.close()
+
+
+class _FlagAttn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, wide):
+        if wide:  # data-dependent: export fails in here, so this module is kept opaque
+            return torch.relu(self.lin(x))
+        return torch.tanh(self.lin(x))
+
+
+class _FlagBlock(torch.nn.Module):
+    """Longformer's pattern: a flag computed from the data outside the opaque module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _FlagAttn()
+
+    def forward(self, x, mask):
+        wide = (mask > 1).any().item()
+        return x + self.attn(x, wide)
+
+
+def test_a_data_dependent_flag_reaches_an_opaque_module_as_a_value():
+    """The flag is an unbacked symbol while tracing; it reaches the opaque call through
+    the graph (a constant would have been baked in, or not compile), so microbatches with
+    different flags take different branches, as in eager."""
+    torch.manual_seed(0)
+    model = _KwargsNet(_FlagBlock).double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    mask = torch.ones(6, 4, dtype=torch.long)
+    mask[4, 1] = 2  # only the second microbatch takes the wide branch
+    pipe = _matches_eager(model, (x,), {"mask": mask}, torch.randn(6, 2, dtype=torch.float64))
+    assert pipe.plan.program.trace_method == "export-leaves"
+    assert pipe.plan.notes[-1].endswith("_FlagAttn at blocks.0.attn and 2 more")
+    pipe.close()
+
+
+class _Router(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        # SwitchTransformers' router does this; export cannot swap a module's parameters
+        self.classifier = self.classifier.to(x.dtype)
+        return self.classifier(x).softmax(-1)
+
+
+class _RoutedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = _Router()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.lin(x) * self.router(x)[..., :1]
+
+
+def test_the_module_whose_forward_fails_is_kept_opaque_not_the_child_it_calls():
+    """The failure is inside Linear._apply, but the code that made it is the router's
+    forward: the router is kept opaque (keeping every Linear opaque would fail again)."""
+    torch.manual_seed(0)
+    model = _KwargsNet(_RoutedBlock, n=2).double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe = _matches_eager(model, (x,), {}, torch.randn(6, 2, dtype=torch.float64))
+    assert pipe.plan.program.trace_method == "export-leaves"
+    assert pipe.plan.notes[-1].endswith("_Router at blocks.0.router and 1 more")
+    pipe.close()

@@ -11,7 +11,8 @@ How, for a leaf ``layers.0.mlp.experts``::
     #    structure and tensor shapes (buffers and the RNG state are restored afterwards)
     # 2. during export the leaf's forward is replaced by a custom op whose fake
     #    implementation returns empty tensors of the recorded shapes:
-    opaque_call = roundpipe.opaque_call([hidden, idx, weights, p_gate_up, p_down], site)
+    opaque_call = roundpipe.opaque_call([hidden, idx, weights, p_gate_up, p_down], [], [],
+                                        site)
     # 3. after export that node becomes a functional call of the module itself:
     call = call_module_functional(_leaf_layers_0_mlp_experts,
                                   {"gate_up_proj": p_gate_up, "down_proj": p_down},
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -57,6 +59,9 @@ class _Site:
     out_leaves: list[Any] = field(default_factory=list)  # _TensorMeta or constants
     in_spec: Any = None
     in_consts: dict[int, Any] = field(default_factory=dict)
+    # flat input index -> ("int" | "bool" | "float", index in opaque_call's ints/floats):
+    # symbolic scalars (a data-dependent ``.item()`` computed outside the leaf)
+    in_scalars: dict[int, tuple[str, int]] = field(default_factory=dict)
     num_tensor_inputs: int = 0
     state_names: tuple[str, ...] = ()
 
@@ -66,14 +71,17 @@ _NEXT_SITE = itertools.count()
 
 
 @torch.library.custom_op("roundpipe::opaque_call", mutates_args=())
-def opaque_call(tensors: list[torch.Tensor], site: int) -> list[torch.Tensor]:
-    """Stands for one leaf module call while exporting; never runs for real."""
+def opaque_call(tensors: list[torch.Tensor], ints: list[int], floats: list[float],
+                site: int) -> list[torch.Tensor]:
+    """Stands for one leaf module call while exporting; never runs for real.  ``ints``
+    and ``floats`` carry symbolic scalars into the graph (a constant would be baked)."""
     raise RuntimeError("roundpipe::opaque_call is a tracing placeholder; it is replaced by "
                        "the module call before the graph runs")
 
 
 @opaque_call.register_fake
-def _opaque_call_fake(tensors: list[torch.Tensor], site: int) -> list[torch.Tensor]:
+def _opaque_call_fake(tensors: list[torch.Tensor], ints: list[int], floats: list[float],
+                      site: int) -> list[torch.Tensor]:
     info = _SITES[site]
     return [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=t.device)
             for t in info.out_leaves if isinstance(t, _TensorMeta)]
@@ -115,22 +123,27 @@ def same_type_modules(model: torch.nn.Module, path: str) -> tuple[str, ...]:
 
 
 def failing_module(model: torch.nn.Module, error: BaseException) -> str | None:
-    """Path of the innermost submodule of ``model`` whose code was running when ``error``
-    was raised (read from the traceback's frames, following chained exceptions)."""
+    """Path of the innermost submodule of ``model`` whose ``forward`` was running when
+    ``error`` was raised (else whose code was: a method called from outside any forward),
+    read from the traceback's frames, following chained exceptions.  The forward, not the
+    innermost module frame: ``self.classifier.to(dtype)`` failing inside ``Linear._apply``
+    is the calling module's code, and keeping every Linear opaque would not help."""
     by_id = {id(m): n for n, m in model.named_modules() if n}
     seen: set[int] = set()
     exc: BaseException | None = error
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        innermost = None
+        innermost = innermost_forward = None
         tb = exc.__traceback__
         while tb is not None:
             obj = tb.tb_frame.f_locals.get("self")
             if obj is not None and id(obj) in by_id:
                 innermost = by_id[id(obj)]
+                if tb.tb_frame.f_code.co_name == "forward":
+                    innermost_forward = innermost
             tb = tb.tb_next
-        if innermost is not None:
-            return innermost
+        if innermost_forward is not None or innermost is not None:
+            return innermost_forward or innermost
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -192,14 +205,28 @@ def leaves_as_custom_ops(model: torch.nn.Module, leaves: tuple[str, ...],
             used[sid] = site
             flat, site.in_spec = pytree.tree_flatten((f_args, f_kwargs))
             tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-            site.in_consts = {i: x for i, x in enumerate(flat)
-                              if not isinstance(x, torch.Tensor)}
+            ints: list[Any] = []
+            floats: list[Any] = []
+            for i, x in enumerate(flat):
+                if isinstance(x, torch.Tensor):
+                    continue
+                if isinstance(x, torch.SymBool):
+                    site.in_scalars[i] = ("bool", len(ints))
+                    ints.append(torch.sym_ite(x, 1, 0))
+                elif isinstance(x, torch.SymInt):
+                    site.in_scalars[i] = ("int", len(ints))
+                    ints.append(x)
+                elif isinstance(x, torch.SymFloat):
+                    site.in_scalars[i] = ("float", len(floats))
+                    floats.append(x)
+                else:
+                    site.in_consts[i] = x
             site.num_tensor_inputs = len(tensors)
             state = (list(module.named_parameters(remove_duplicate=False))
                      + list(module.named_buffers(remove_duplicate=False))
                      + tensor_attributes(module))
             site.state_names = tuple(n for n, _ in state)
-            outs = iter(opaque_call(tensors + [t for _, t in state], sid))
+            outs = iter(opaque_call(tensors + [t for _, t in state], ints, floats, sid))
             flat_out = [next(outs) if isinstance(x, _TensorMeta) else x
                         for x in site.out_leaves]
             return pytree.tree_unflatten(flat_out, site.out_spec)
@@ -255,15 +282,26 @@ def replace_opaque_calls(gm: torch.fx.GraphModule, model: torch.nn.Module,
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not _OPAQUE_OP:
             continue
-        tensors, sid = node.args
+        tensors, ints, floats, sid = node.args
         site = sites[sid]
         attr = LEAF_PREFIX + site.path.replace(".", "_")
         if not hasattr(gm, attr):
             gm.add_submodule(attr, model.get_submodule(site.path))
         inputs = iter(tensors[:site.num_tensor_inputs])
-        num_flat = site.in_spec.num_leaves
-        flat = [site.in_consts[i] if i in site.in_consts else next(inputs)
-                for i in range(num_flat)]
+        flat: list[Any] = []
+        with graph.inserting_before(node):
+            for i in range(site.in_spec.num_leaves):
+                if i in site.in_consts:
+                    flat.append(site.in_consts[i])
+                elif i in site.in_scalars:
+                    kind, k = site.in_scalars[i]
+                    value = floats[k] if kind == "float" else ints[k]
+                    if kind == "bool":  # carried as sym_ite(b, 1, 0)
+                        value = (graph.call_function(operator.ne, (value, 0))
+                                 if isinstance(value, torch.fx.Node) else bool(value))
+                    flat.append(value)
+                else:
+                    flat.append(next(inputs))
         call_args, call_kwargs = pytree.tree_unflatten(flat, site.in_spec)
         mapping = dict(zip(site.state_names, tensors[site.num_tensor_inputs:]))
         with graph.inserting_before(node):

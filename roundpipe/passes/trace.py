@@ -48,6 +48,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
 from ..runtime.modcall import call_module_functional
+from .custom_backward import refuse_custom_backward
 from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
@@ -471,7 +472,8 @@ def _quiet_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     error: BaseException | None = None
     try:
         # Stack traces cost a tenth of export's time and nothing here reads them.
-        with contextlib.redirect_stderr(captured), _no_stack_traces():
+        with contextlib.redirect_stderr(captured), _no_stack_traces(), \
+                refuse_custom_backward():
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                        strict=False)
     except BaseException as e:

@@ -1,0 +1,64 @@
+"""User ``torch.autograd.Function``\\ s with their own backward, refused while exporting.
+
+Non-strict export writes a Function's forward out as plain operations, and the program
+is then differentiated through them: the Function's own backward is dropped without a
+word (a straight-through estimator's gradient becomes zero, a surrogate gradient becomes
+the true one).  While export runs, a call of such a Function raises
+:class:`CustomBackwardFunction` inside the module that made it; the trace pass then keeps
+that module opaque (see :mod:`roundpipe.passes.leaves`), so it runs eagerly and autograd
+calls the Function's backward as in eager PyTorch.
+
+torch's own Functions (``torch.utils.checkpoint``'s, for one) are left alone: their
+backward is the derivative of their forward.  So are calls that need no gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+
+
+class CustomBackwardFunction(Exception):
+    """A user autograd.Function ran while exporting (the module that called it is kept
+    opaque)."""
+
+    def __init__(self, function: type) -> None:
+        super().__init__(
+            f"{function.__module__}.{function.__qualname__} is a torch.autograd.Function "
+            "with a backward of its own, which export would replace by the derivative of "
+            "its forward")
+        self.function = function
+
+
+def _needs_own_backward(function: type, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> bool:
+    if (function.__module__ or "").split(".")[0] == "torch":
+        return False
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad
+        for x in pytree.tree_leaves((args, kwargs)))
+
+
+@contextlib.contextmanager
+def refuse_custom_backward() -> Iterator[None]:
+    """While active, user Functions called on this thread with grad-requiring inputs
+    raise :class:`CustomBackwardFunction`; other threads (a pipe training meanwhile) are
+    not affected."""
+    base = torch.autograd.Function
+    original = base.__dict__["apply"]
+    tracing = threading.get_ident()
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == tracing and _needs_own_backward(cls, args, kwargs):
+            raise CustomBackwardFunction(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    base.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        base.apply = original  # type: ignore[method-assign]
