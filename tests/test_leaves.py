@@ -360,3 +360,21 @@ def test_the_module_whose_forward_fails_is_kept_opaque_not_the_child_it_calls():
     assert pipe.plan.program.trace_method == "export-leaves"
     assert pipe.plan.notes[-1].endswith("_Router at blocks.0.router and 1 more")
     pipe.close()
+
+
+class _TopLevelSTE(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x, **kwargs):
+        return self.b(_STE.apply(self.a(x)))
+
+
+def test_a_custom_function_in_the_top_level_forward_is_refused_with_the_way_out():
+    with pytest.raises(TraceError) as info:
+        RoundPipe(_TopLevelSTE(), devices=["cpu"]).compile((torch.randn(4, 8),))
+    text = str(info.value)
+    assert "_STE is a torch.autograd.Function with a backward of its own" in text
+    assert "call the autograd.Function from a submodule's forward" in text

@@ -48,7 +48,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
 from ..runtime.modcall import call_module_functional
-from .custom_backward import refuse_custom_backward
+from .custom_backward import CustomBackwardFunction, refuse_custom_backward
 from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
@@ -862,8 +862,13 @@ def _trace_failure_message(model: torch.nn.Module, attempts: list[tuple[str, Bas
         lines.append(f"It fails inside {blamed} "
                      f"({type(model.get_submodule(blamed)).__name__}).")
     leaf_hint = blamed if blamed is not None and not opaque else "a.submodule.path"
+    lines.append("Ways out:")
+    if blamed is None and any(isinstance(c, CustomBackwardFunction)
+                              for _, e in attempts for c in _exception_chain(e)):
+        lines.append(
+            "  * call the autograd.Function from a submodule's forward: that submodule is "
+            "then kept opaque by itself and runs eagerly, its backward included;")
     lines += [
-        "Ways out:",
         "  * if the model's config chooses between implementations of that code (Hugging "
         "Face configs: attn_implementation=..., experts_implementation=...), pick one "
         "without data-dependent Python control flow;",
