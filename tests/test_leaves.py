@@ -378,3 +378,81 @@ def test_a_custom_function_in_the_top_level_forward_is_refused_with_the_way_out(
     text = str(info.value)
     assert "_STE is a torch.autograd.Function with a backward of its own" in text
     assert "call the autograd.Function from a submodule's forward" in text
+
+
+def test_a_custom_function_compiled_under_no_grad_keeps_its_backward_in_training():
+    """The first call under torch.no_grad() makes the program training reuses: the
+    Function must be refused there too."""
+    torch.manual_seed(0)
+    model = _KwargsNet(_STEBlock).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    label = torch.randn(6, 2, dtype=torch.float64)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    with torch.no_grad():
+        pipe(x)
+    loss = pipe.forward_backward(input_args=(x,), label=label, loss_fn=reference.mse_first)
+    ref = reference.eager_forward_backward(eager, (x,), {}, label, reference.mse_first, 2)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    for (name, p), q in zip(pipe.optim_named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=name)
+    pipe.close()
+
+
+class _ReentrantCheckpointBlock(_STEBlock):
+    def forward(self, x):
+        inner = lambda y: torch.tanh(self.lin(y))  # noqa: E731
+        return x + torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=True)
+
+
+class _StemNet(_KwargsNet):
+    """A stem first, so the blocks' inputs require grad (reentrant checkpointing gives no
+    gradient at all when none of its inputs does, in eager too)."""
+
+    def __init__(self, block: type) -> None:
+        super().__init__(block)
+        self.stem = torch.nn.Linear(8, 8)
+
+    def forward(self, x, **kwargs):
+        return super().forward(self.stem(x), **kwargs)
+
+
+def test_reentrant_checkpoint_inside_a_block_keeps_its_gradients():
+    """Reentrant checkpointing runs its forward under no_grad: exported as plain ops, the
+    parameters inside got no gradient at all."""
+    torch.manual_seed(0)
+    model = _StemNet(_ReentrantCheckpointBlock).double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe = _matches_eager(model, (x,), {}, torch.randn(6, 2, dtype=torch.float64))
+    assert pipe.plan.program.trace_method == "export-leaves"
+    pipe.close()
+
+
+class _ScaleAttn(_FlagAttn):
+    def forward(self, x, scale):
+        if scale > 1.2:  # data-dependent on a float
+            return torch.relu(self.lin(x)) * scale
+        return torch.tanh(self.lin(x)) * scale
+
+
+class _ScaleBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _ScaleAttn()
+
+    def forward(self, x, mask):
+        return x + self.attn(x, mask.double().mean().item())
+
+
+def test_a_data_dependent_float_reaches_an_opaque_module_as_a_value():
+    torch.manual_seed(0)
+    model = _KwargsNet(_ScaleBlock).double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    mask = torch.ones(6, 4, dtype=torch.long)
+    mask[3:] = 2  # the microbatches see scales 1 and 2: both branches
+    pipe = _matches_eager(model, (x,), {"mask": mask}, torch.randn(6, 2, dtype=torch.float64))
+    assert pipe.plan.program.trace_method == "export-leaves"
+    # only the module that branches is opaque; the float reached it through the graph
+    assert pipe.plan.notes[-1].endswith("_ScaleAttn at blocks.0.attn and 2 more")
+    pipe.close()

@@ -431,3 +431,26 @@ def test_an_image_of_another_size_gets_a_program_of_its_own():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14)
     assert len(pipe._compiled) == 2
     pipe.close()
+
+
+class _MaskedText(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, ids, mask):  # mask: (B, 1, T, T), additive
+        x = self.emb(ids)
+        for b in self.blocks:
+            scores = x @ x.transpose(1, 2) + mask[:, 0]
+            x = x + torch.tanh(b(scores.softmax(-1) @ x))
+        return x.mean(1)
+
+
+def test_a_4d_float_mask_beside_token_ids_keeps_the_sequence_length_dynamic():
+    """Only image-like sizes no other input shares are static: a (B, 1, T, T) mask's T is
+    the token ids' T, so one program serves every sequence length."""
+    torch.manual_seed(0)
+    traced = trace(_MaskedText(), (torch.randint(0, 16, (4, 6)), torch.zeros(4, 1, 6, 6)))
+    assert traced.inputs.static == (("tensor", torch.int64, (None, (2, None))),
+                                    ("tensor", torch.float32, (None, 1, (2, None), (2, None))))

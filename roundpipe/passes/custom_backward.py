@@ -8,8 +8,13 @@ the true one).  While export runs, a call of such a Function raises
 that module opaque (see :mod:`roundpipe.passes.leaves`), so it runs eagerly and autograd
 calls the Function's backward as in eager PyTorch.
 
-torch's own Functions (``torch.utils.checkpoint``'s, for one) are left alone: their
-backward is the derivative of their forward.  So are calls that need no gradient.
+torch's own Functions are left alone (their backward is the derivative of their
+forward), except reentrant ``torch.utils.checkpoint``, whose forward runs under
+``no_grad``: exported, the checkpointed parameters would get no gradient.  So are calls in
+the model's own ``no_grad`` regions.  Export runs with grad enabled (a first call under
+``torch.no_grad()`` makes the program later training reuses), and a Function is refused
+whenever a floating-point tensor reaches it, whether or not it requires grad now (frozen
+parameters may be unfrozen without a new trace).
 """
 
 from __future__ import annotations
@@ -36,18 +41,19 @@ class CustomBackwardFunction(Exception):
 
 def _needs_own_backward(function: type, args: tuple[Any, ...], kwargs: dict[str, Any]
                         ) -> bool:
-    if (function.__module__ or "").split(".")[0] == "torch":
+    module = function.__module__ or ""
+    if module.split(".")[0] == "torch" and function.__name__ != "CheckpointFunction":
         return False
     return torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad
+        isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
         for x in pytree.tree_leaves((args, kwargs)))
 
 
 @contextlib.contextmanager
 def refuse_custom_backward() -> Iterator[None]:
-    """While active, user Functions called on this thread with grad-requiring inputs
-    raise :class:`CustomBackwardFunction`; other threads (a pipe training meanwhile) are
-    not affected."""
+    """While active (and grad enabled), user Functions called on this thread with
+    floating-point inputs raise :class:`CustomBackwardFunction`; other threads (a pipe
+    training meanwhile) are not affected."""
     base = torch.autograd.Function
     original = base.__dict__["apply"]
     tracing = threading.get_ident()
@@ -59,6 +65,7 @@ def refuse_custom_backward() -> Iterator[None]:
 
     base.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
     try:
-        yield
+        with torch.enable_grad():
+            yield
     finally:
         base.apply = original  # type: ignore[method-assign]

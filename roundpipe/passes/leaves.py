@@ -71,17 +71,18 @@ _NEXT_SITE = itertools.count()
 
 
 @torch.library.custom_op("roundpipe::opaque_call", mutates_args=())
-def opaque_call(tensors: list[torch.Tensor], ints: list[int], floats: list[float],
+def opaque_call(tensors: list[torch.Tensor], ints: list[int], floats: list[torch.Tensor],
                 site: int) -> list[torch.Tensor]:
     """Stands for one leaf module call while exporting; never runs for real.  ``ints``
-    and ``floats`` carry symbolic scalars into the graph (a constant would be baked)."""
+    and ``floats`` (as 0-d tensors: the op schema takes no symbolic floats) carry symbolic
+    scalars into the graph, where a constant would be baked."""
     raise RuntimeError("roundpipe::opaque_call is a tracing placeholder; it is replaced by "
                        "the module call before the graph runs")
 
 
 @opaque_call.register_fake
-def _opaque_call_fake(tensors: list[torch.Tensor], ints: list[int], floats: list[float],
-                      site: int) -> list[torch.Tensor]:
+def _opaque_call_fake(tensors: list[torch.Tensor], ints: list[int],
+                      floats: list[torch.Tensor], site: int) -> list[torch.Tensor]:
     info = _SITES[site]
     return [torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=t.device)
             for t in info.out_leaves if isinstance(t, _TensorMeta)]
@@ -218,7 +219,7 @@ def leaves_as_custom_ops(model: torch.nn.Module, leaves: tuple[str, ...],
                     ints.append(x)
                 elif isinstance(x, torch.SymFloat):
                     site.in_scalars[i] = ("float", len(floats))
-                    floats.append(x)
+                    floats.append(torch.full((), x, dtype=torch.float64))
                 else:
                     site.in_consts[i] = x
             site.num_tensor_inputs = len(tensors)
@@ -296,7 +297,9 @@ def replace_opaque_calls(gm: torch.fx.GraphModule, model: torch.nn.Module,
                 elif i in site.in_scalars:
                     kind, k = site.in_scalars[i]
                     value = floats[k] if kind == "float" else ints[k]
-                    if kind == "bool":  # carried as sym_ite(b, 1, 0)
+                    if kind == "float":  # carried as a 0-d tensor
+                        value = graph.call_method("item", (value,))
+                    elif kind == "bool":  # carried as sym_ite(b, 1, 0)
                         value = (graph.call_function(operator.ne, (value, 0))
                                  if isinstance(value, torch.fx.Node) else bool(value))
                     flat.append(value)

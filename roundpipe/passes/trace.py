@@ -271,9 +271,10 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             dynamic_shapes = None
             if dynamic:
                 shapes = ShapesCollection()
-                for leaf in pytree.tree_leaves((args, kwargs)):
-                    if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-                        shapes[leaf] = _dynamic_dims(leaf)
+                tensors = [t for t in pytree.tree_leaves((args, kwargs))
+                           if isinstance(t, torch.Tensor) and t.dim() > 0]
+                for leaf in tensors:
+                    shapes[leaf] = _dynamic_dims(leaf, tensors)
                 dynamic_shapes = shapes.dynamic_shapes(model, ((args, kwargs),))
             ep = _quiet_export(model, ((args, kwargs),), {}, dynamic_shapes)
             gm = ep.graph_module
@@ -790,14 +791,22 @@ def _get_attr(root: torch.nn.Module, target: str) -> Any:
 
 # --- shared helpers --------------------------------------------------------------------
 
-def _dynamic_dims(tensor: torch.Tensor) -> dict[int, Any]:
+def _image_like(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and tensor.dim() >= 4
+
+
+def _dynamic_dims(tensor: torch.Tensor, inputs: list[torch.Tensor]) -> dict[int, Any]:
     """The dimensions export is asked to keep dynamic: all, except those past the batch
-    of floating tensors with 4 or more (images, video).  Training images have one size,
-    and symbolic image sizes make export of window-attention models (Swin's padding and
-    window partition) about 50x slower; a new size gets a program of its own."""
-    if tensor.is_floating_point() and tensor.dim() >= 4:
-        return {0: Dim.AUTO}
-    return {d: Dim.AUTO for d in range(tensor.dim())}
+    of floating tensors with 4 or more (images, video) whose size no other input shares.
+    Training images have one size, and symbolic image sizes make export of window-attention
+    models (Swin's padding and window partition) about 50x slower; a new size gets a
+    program of its own.  A size another input has too (a (B, 1, T, T) mask beside (B, T)
+    token ids) stays dynamic, so sequence lengths do not each make a program."""
+    if not _image_like(tensor):
+        return {d: Dim.AUTO for d in range(tensor.dim())}
+    shared = {size for other in inputs if not _image_like(other)
+              for size in other.shape[1:] if size > 1}
+    return {d: Dim.AUTO for d in range(tensor.dim()) if d == 0 or tensor.shape[d] in shared}
 
 
 def _named_state(model: torch.nn.Module) -> dict[int, tuple[str, tuple[str, ...]]]:

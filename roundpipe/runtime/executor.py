@@ -569,6 +569,7 @@ class _JobRunner:
         self.held: dict[int, list[Transfer]] = {}      # uploads per microbatch
         self.prefetched: dict[int, dict[str, Transfer]] = {}
         self.handed: set[tuple[int, str]] = set()  # (unit, slot) gradients already staged
+        self.hand_over_errors: list[BaseException] = []
         self.units_by_index = {u.index: u for u in self.units}
         self.skip = job.skip
 
@@ -653,8 +654,12 @@ class _JobRunner:
             def hand_over(landed: Future) -> None:
                 # The hook reads the gradients on the host, so it runs on the download
                 # waiter once they have landed; this thread goes on with the backward.
+                # An error is kept for finish(): a done-callback's would only be logged.
                 if not landed.cancelled() and landed.exception() is None:
-                    hook(start, start + 1, staged)
+                    try:
+                        hook(start, start + 1, staged)
+                    except BaseException as e:  # noqa: BLE001 - raised by finish()
+                        self.hand_over_errors.append(e)
             self.device.after_downloads().add_done_callback(hand_over)
 
     def finish(self) -> None:
@@ -668,7 +673,9 @@ class _JobRunner:
                            if v in self.produced_here)
             for slot in mutated:
                 staged_buffers[slot] = self.device.download(self.state[slot], "buffers")
-        self.device.wait_downloads()
+        self.device.wait_downloads()  # the hand-over callbacks have run by now
+        if self.hand_over_errors:
+            raise self.hand_over_errors[0]
         if self.job.kind == "fused" and not call.nonfinite_loss_ok:
             self._check_losses()
         with call.lock:
