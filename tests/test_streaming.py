@@ -424,3 +424,30 @@ def test_unit_times_are_read_from_device_marks_when_the_call_ends(monkeypatch):
         NUM_MB * sum(1 for s in plan.stages if s.kind != "fwd"))
     assert calls and all(name == threading.current_thread().name for name in calls)
     pipe.close()
+
+
+def test_an_error_in_the_gradient_hand_over_hook_fails_the_call(monkeypatch):
+    """The per-unit hand-over (data parallel's hook) runs on the download waiter as a
+    done-callback, whose errors concurrent.futures would only log: the job raises it."""
+    from roundpipe.runtime.executor import Executor
+    train = Executor.train
+    calls = []
+
+    def hook(start, stop, staged):
+        calls.append((start, stop))
+        if stop - start == 1:  # a per-unit hand-over, not a job's final one
+            raise RuntimeError("reducer refused the gradients")
+
+    def train_with_hook(self, *args, **kwargs):
+        kwargs["on_grads"] = hook
+        return train(self, *args, **kwargs)
+
+    pipe, args = _gpt_pipe(2)
+    pipe.forward_backward(**args)
+    grads = [p.grad.clone() for p in pipe.optim_parameters()]
+    monkeypatch.setattr(Executor, "train", train_with_hook)
+    with pytest.raises(StageError, match="reducer refused the gradients"):
+        pipe.forward_backward(**args)
+    assert calls
+    assert _same([p.grad for p in pipe.optim_parameters()], grads)  # nothing committed
+    pipe.close()
