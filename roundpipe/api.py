@@ -161,6 +161,8 @@ class RoundPipe:
         self._state = ModelState(model, optim_dtype)
         self._optimizer = OptimizerWorker(self._state)
         self._compiled: list[_Compiled] = []
+        # Gradient download buffers, shared by every program's executor (see Executor).
+        self._grad_buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._current: _Compiled | None = None
         self._calls = 0
         self._stats: RunStats | None = None
@@ -247,7 +249,8 @@ class RoundPipe:
         host = HostState(self._state, plan.program)
         if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
             pin_host_state(self._state, host, self.pin_memory)
-        entry = _Compiled(plan, host, Executor(plan, host, self.devices), training, analysis)
+        entry = _Compiled(plan, host, Executor(plan, host, self.devices, self._grad_buffers),
+                          training, analysis)
         entry.by_cap[cap] = (entry.plan, entry.executor)
         self._compiled.append(entry)
         self._current = entry
@@ -276,7 +279,8 @@ class RoundPipe:
                              device_model=self.device_model, memory_cap=cap,
                              num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
                              notes=a.notes)
-            entry.by_cap[cap] = (plan, Executor(plan, entry.host, self.devices))
+            entry.by_cap[cap] = (plan, Executor(plan, entry.host, self.devices,
+                                                self._grad_buffers))
         entry.plan, entry.executor = entry.by_cap[cap]
 
     def replan(self, *, use_measured: bool = True, **options: Any) -> StagePlan:
@@ -310,7 +314,7 @@ class RoundPipe:
                         else plan.memory_cap,
                         num_stages=self.num_stages, notes=plan.notes)
         entry.plan = new
-        entry.executor = Executor(new, entry.host, self.devices)
+        entry.executor = Executor(new, entry.host, self.devices, self._grad_buffers)
         entry.by_cap = {new.memory_cap: (entry.plan, entry.executor)}
         return new
 

@@ -430,6 +430,12 @@ def test_an_image_of_another_size_gets_a_program_of_its_own():
         for p, q in zip(pipe.optim_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14)
     assert len(pipe._compiled) == 2
+    # the two programs download gradients into the same host buffers: a new shape does
+    # not hold another model's worth of them
+    held = {id(t): t.numel() * t.element_size()
+            for e in pipe._compiled for t in e.executor.grad_buffers.values()}
+    assert sum(held.values()) == sum(p.numel() * p.element_size()
+                                     for p in model.parameters())
     pipe.close()
 
 

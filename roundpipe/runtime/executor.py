@@ -171,7 +171,8 @@ class _Call:
 class Executor:
     """Runs calls of one :class:`StagePlan` on a pool of devices."""
 
-    def __init__(self, plan: StagePlan, host: HostState, devices: Sequence[Device]) -> None:
+    def __init__(self, plan: StagePlan, host: HostState, devices: Sequence[Device],
+                 grad_buffers: dict[tuple[int, str], torch.Tensor] | None = None) -> None:
         self.plan = plan
         self.program = plan.program
         self.host = host
@@ -185,8 +186,10 @@ class Executor:
                 self._producer[v] = unit.index
         self._carries_cache: dict[Any, frozenset[str]] = {}
         # Host buffers gradients are downloaded into, reused across calls (pinned on CUDA,
-        # where allocating pinned memory is slow).
-        self.grad_buffers: dict[tuple[int, str], torch.Tensor] = {}
+        # where allocating pinned memory is slow); pass one dict to the executors of every
+        # program of a model, so each new shape or mode does not hold a model's worth more.
+        # Calls of one model never overlap, and a call is done with them when it returns.
+        self.grad_buffers = grad_buffers if grad_buffers is not None else {}
 
     # --- public entry points -------------------------------------------------------------
     def train(self, inputs: list[dict[str, Any]], labels: list[Any], loss_fn: Callable,
