@@ -26,6 +26,7 @@ from .plan import StagePlan
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
+from .runtime.grad_landing import GradLanding
 from .runtime.host_state import HostState, ModelState
 from .runtime.microbatch import (batch_size_of, check_on_cpu, input_path, merge_outputs,
                                  split_inputs, split_label)
@@ -162,7 +163,7 @@ class RoundPipe:
         self._optimizer = OptimizerWorker(self._state)
         self._compiled: list[_Compiled] = []
         # Gradient download buffers, shared by every program's executor (see Executor).
-        self._grad_buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._landing = GradLanding(steps=self._optimizer.pending_steps)
         self._current: _Compiled | None = None
         self._calls = 0
         self._stats: RunStats | None = None
@@ -249,7 +250,7 @@ class RoundPipe:
         host = HostState(self._state, plan.program)
         if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
             pin_host_state(self._state, host, self.pin_memory)
-        entry = _Compiled(plan, host, Executor(plan, host, self.devices, self._grad_buffers),
+        entry = _Compiled(plan, host, Executor(plan, host, self.devices, self._landing),
                           training, analysis)
         entry.by_cap[cap] = (entry.plan, entry.executor)
         self._compiled.append(entry)
@@ -280,7 +281,7 @@ class RoundPipe:
                              num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
                              notes=a.notes)
             entry.by_cap[cap] = (plan, Executor(plan, entry.host, self.devices,
-                                                self._grad_buffers))
+                                                self._landing))
         entry.plan, entry.executor = entry.by_cap[cap]
 
     def replan(self, *, use_measured: bool = True, **options: Any) -> StagePlan:
@@ -314,7 +315,7 @@ class RoundPipe:
                         else plan.memory_cap,
                         num_stages=self.num_stages, notes=plan.notes)
         entry.plan = new
-        entry.executor = Executor(new, entry.host, self.devices, self._grad_buffers)
+        entry.executor = Executor(new, entry.host, self.devices, self._landing)
         entry.by_cap = {new.memory_cap: (entry.plan, entry.executor)}
         return new
 
@@ -448,7 +449,7 @@ class RoundPipe:
         self._optimizer.wait()
 
         def commit() -> None:
-            entry.host.commit(result.param_grads, result.buffers)
+            entry.host.commit(result.param_grads, result.buffers, result.grads_owned)
             self._stats = result.stats
             if count_call:  # a backward belongs to the forward call that was counted
                 self._calls += 1
@@ -606,6 +607,7 @@ class RoundPipe:
         finally:
             self._closed = True
             self._optimizer.close()
+            self._landing.close()
             for device in self.devices:
                 device.close()
             unpin(self._state)

@@ -27,6 +27,7 @@ weights, gradients and buffers as they were.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -42,6 +43,7 @@ import torch.utils._pytree as pytree
 from ..errors import LossError, OutOfMemoryError, RoundPipeError, StageError
 from ..plan import StagePlan, UnitProgram
 from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer
+from .grad_landing import GradLanding
 from .host_state import HostState
 from .rng import RngKey
 
@@ -125,6 +127,9 @@ class RunResult:
     input_grads: list[dict[str, torch.Tensor]] | None
     stats: RunStats
     stash: list[dict[str, Any]] | None = None
+    # The slots whose param_grads are fresh tensors in the masters' dtype that the commit
+    # may keep as .grad; the others are reused download (or reduction) buffers.
+    grads_owned: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -164,6 +169,10 @@ class _Call:
     # Called per unit once the last microbatch's backward passed it, and when a fused/bwd
     # job finishes (covering all its units; frozen or skipped units have no gradients).
     on_grads: Callable[[int, int, list[tuple[str, int, torch.Tensor]]], None] | None = None
+    # (slot, unit) -> the gradient in its master's dtype, copied off the download buffer
+    # once it landed (GradLanding); replaces param_grads when the call succeeds.
+    converted: dict[tuple[str, int], Future] = field(default_factory=dict)
+    steps: list[Future] = field(default_factory=list)  # optimizer steps pending at start
     t0: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -172,7 +181,7 @@ class Executor:
     """Runs calls of one :class:`StagePlan` on a pool of devices."""
 
     def __init__(self, plan: StagePlan, host: HostState, devices: Sequence[Device],
-                 grad_buffers: dict[tuple[int, str], torch.Tensor] | None = None) -> None:
+                 landing: GradLanding | None = None) -> None:
         self.plan = plan
         self.program = plan.program
         self.host = host
@@ -185,11 +194,13 @@ class Executor:
             for v in unit.outputs:
                 self._producer[v] = unit.index
         self._carries_cache: dict[Any, frozenset[str]] = {}
-        # Host buffers gradients are downloaded into, reused across calls (pinned on CUDA,
-        # where allocating pinned memory is slow); pass one dict to the executors of every
-        # program of a model, so each new shape or mode does not hold a model's worth more.
-        # Calls of one model never overlap, and a call is done with them when it returns.
-        self.grad_buffers = grad_buffers if grad_buffers is not None else {}
+        # Host buffers gradients are downloaded into, reused across calls; pass one
+        # GradLanding to the executors of every program of a model, so each new shape or
+        # mode does not hold a model's worth more.  Calls of one model never overlap, and a
+        # call is done with them (conversions included) when it returns.
+        self.landing = landing if landing is not None else GradLanding(convert=False)
+        self.grad_buffers = self.landing.buffers
+        self._grad_dtypes: dict[str, torch.dtype] = {}
 
     # --- public entry points -------------------------------------------------------------
     def train(self, inputs: list[dict[str, Any]], labels: list[Any], loss_fn: Callable,
@@ -266,7 +277,7 @@ class Executor:
             store=[dict(x) for x in inputs], grads=[{} for _ in range(num_mb)],
             labels=labels, loss_fn=loss_fn, want_outputs=want_outputs,
             fence_version=fence_version, carries=carries, abort=threading.Event(),
-            done={}, losses=[None] * num_mb, autocast=autocast)
+            done={}, losses=[None] * num_mb, autocast=autocast, steps=self.landing.steps())
 
     def _carries(self, grad_inputs: frozenset[str]) -> frozenset[str]:
         """Values through which gradients flow: those depending on a trainable parameter
@@ -386,6 +397,8 @@ class Executor:
                 transfer.release()
             call.weights.clear()
             call.handoff.clear()
+            # Nothing may still read the download buffers once the call returns.
+            concurrent.futures.wait(list(call.converted.values()))
         if errors:
             job, device, e = min(errors, key=lambda x: x[0].index)
             described = self._describe_error(job, device, e)
@@ -415,8 +428,30 @@ class Executor:
         if call.mode == "backward":
             names = {n for n in self.program.inputs.names if n is not None}
             input_grads = [{k: v for k, v in g.items() if k in names} for g in call.grads]
-        return RunResult(losses=call.losses, outputs=outputs, param_grads=call.param_grads,
-                         buffers=call.buffers, input_grads=input_grads, stats=stats)
+        param_grads, owned = call.param_grads, set()
+        if call.converted:
+            param_grads = {}
+            for slot, grads in call.param_grads.items():
+                converted = [call.converted[(slot, uid)].result() for uid, _ in grads]
+                if all(c is not None for c in converted):
+                    param_grads[slot] = [(uid, c) for (uid, _), c in zip(grads, converted)]
+                    owned.add(slot)
+                else:
+                    param_grads[slot] = grads
+        return RunResult(losses=call.losses, outputs=outputs, param_grads=param_grads,
+                         buffers=call.buffers, input_grads=input_grads, stats=stats,
+                         grads_owned=frozenset(owned))
+
+    def _master_has_no_grad(self, slot: str) -> bool:
+        return self.host.shared.master(self.host.specs[slot].fqn).grad is None
+
+    def _grad_dtype(self, slot: str) -> torch.dtype:
+        """The dtype a slot's gradient is committed in: its master's."""
+        dtype = self._grad_dtypes.get(slot)
+        if dtype is None:
+            dtype = self.host.shared.master(self.host.specs[slot].fqn).dtype
+            self._grad_dtypes[slot] = dtype
+        return dtype
 
     def _describe_error(self, job: Job, device: Device, e: BaseException) -> BaseException:
         mb = getattr(e, "_roundpipe_microbatch", None)
@@ -640,30 +675,48 @@ class _JobRunner:
             pool[(uid, slot)] = host
             self.handed.add((uid, slot))
             staged.append((slot, uid, host))
+        converted = {}
+        if staged and self._converts():
+            landed = self.device.after_downloads()
+            converted = {(slot, uid): self.ex.landing.convert_after(
+                landed, g, self.ex._grad_dtype(slot), self.call.steps,
+                functools.partial(self.ex._master_has_no_grad, slot))
+                for slot, uid, g in staged}
         with self.call.lock:
             for slot, uid, g in staged:
                 self.call.param_grads.setdefault(slot, []).append((uid, g))
+            self.call.converted.update(converted)
         return staged
+
+    def _converts(self) -> bool:
+        # Data parallel reduces the downloads themselves; its commit reads the reduction.
+        return self.call.on_grads is None and self.ex.landing.converts
 
     def _hand_over(self, unit: UnitProgram, mb: int) -> None:
         """Once the last microbatch's backward has passed ``unit``, its parameter
-        gradients are final: with an ``on_grads`` hook (data parallel) stage them now, so
-        their all-reduce starts while backward continues on earlier units."""
+        gradients are final: download them now, so their conversion to the masters' dtype
+        (or, with an ``on_grads`` hook, their all-reduce) overlaps the backward of the
+        earlier units."""
         call = self.call
-        if call.on_grads is not None and mb == call.num_mb - 1:
-            staged = self._stage_grads(unit.index)
-            hook, start = call.on_grads, unit.index
+        if mb != call.num_mb - 1:
+            return
+        if call.on_grads is None:
+            if self._converts():
+                self._stage_grads(unit.index)
+            return
+        staged = self._stage_grads(unit.index)
+        hook, start = call.on_grads, unit.index
 
-            def hand_over(landed: Future) -> None:
-                # The hook reads the gradients on the host, so it runs on the download
-                # waiter once they have landed; this thread goes on with the backward.
-                # An error is kept for finish(): a done-callback's would only be logged.
-                if not landed.cancelled() and landed.exception() is None:
-                    try:
-                        hook(start, start + 1, staged)
-                    except BaseException as e:  # noqa: BLE001 - raised by finish()
-                        self.hand_over_errors.append(e)
-            self.device.after_downloads().add_done_callback(hand_over)
+        def hand_over(landed: Future) -> None:
+            # The hook reads the gradients on the host, so it runs on the download
+            # waiter once they have landed; this thread goes on with the backward.
+            # An error is kept for finish(): a done-callback's would only be logged.
+            if not landed.cancelled() and landed.exception() is None:
+                try:
+                    hook(start, start + 1, staged)
+                except BaseException as e:  # noqa: BLE001 - raised by finish()
+                    self.hand_over_errors.append(e)
+        self.device.after_downloads().add_done_callback(hand_over)
 
     def finish(self) -> None:
         """After the last microbatch: download gradients and updated buffers."""

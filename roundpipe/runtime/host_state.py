@@ -174,19 +174,21 @@ class ModelState:
                     self.master(name).copy_(value)
         self._dirty = True
 
-    def commit_grads(self, grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]]) -> None:
+    def commit_grads(self, grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
+                     owned: frozenset[str] = frozenset()) -> None:
         """Add per-unit gradients to the masters' ``.grad`` (keyed by parameter name).
 
         Contributions are folded in descending unit order (the order backward produces
         them), so the result does not depend on how units were grouped into stages or on
-        the device count.
+        the device count.  ``owned``: the names whose tensors are fresh, in the masters'
+        dtype, and may become ``.grad`` as they are; the others are reused buffers.
         """
         with torch.no_grad():
             for name, contributions in grads.items():
                 master = self.master(name)
                 ordered = sorted(contributions, key=lambda c: -c[0])
-                # The downloads are reused buffers: copy before keeping one as .grad.
-                total = ordered[0][1].to(master.dtype, copy=master.grad is None)
+                total = ordered[0][1].to(master.dtype,
+                                         copy=master.grad is None and name not in owned)
                 for _, g in ordered[1:]:
                     total = total + g.to(master.dtype)
                 if master.grad is None:
@@ -222,9 +224,11 @@ class HostState:
         return [self.specs[s].fqn for s in slots if self.specs[s].kind == "parameter"]
 
     def commit(self, param_grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
-               buffers: Mapping[str, torch.Tensor]) -> None:
+               buffers: Mapping[str, torch.Tensor],
+               grads_owned: frozenset[str] = frozenset()) -> None:
         """Commit a successful call: gradients into the masters, buffer updates."""
-        self.shared.commit_grads({self.specs[s].fqn: g for s, g in param_grads.items()})
+        self.shared.commit_grads({self.specs[s].fqn: g for s, g in param_grads.items()},
+                                 owned=frozenset(self.specs[s].fqn for s in grads_owned))
         with torch.no_grad():
             for slot, value in buffers.items():
                 self.tensors[slot].copy_(value)

@@ -104,6 +104,11 @@ class OptimizerWorker:
                 ) from e
             self._pending.pop(0)
 
+    def pending_steps(self) -> list[Future]:
+        """The steps enqueued and not yet waited for (none inside a ``step_fn``, which
+        must not wait for itself)."""
+        return [] if self.on_worker else list(self._pending)
+
     def run(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the optimizer thread, after any pending step, and wait for it.
 
