@@ -128,6 +128,16 @@ def _mse(out, y):
 
 # --- training equals eager -------------------------------------------------------------------
 
+def test_a_layer_applied_several_times_is_a_unit_per_application():
+    """Dynamo numbers repeated calls of a module like export does (``path@N``)."""
+    from test_layers import _SharedLayer
+    _train(_SharedLayer, lambda step: ((torch.randn(12, 8),), torch.randn(12, 3)), _mse)
+    (plan,) = rb.plans()
+    assert [u.name for u in plan.units] == [
+        "embed", "groups.0", "groups.0#2", "groups.0#3", "groups.0#4", "mid", "other",
+        "other#2", "head"]
+
+
 def test_gpt_with_tied_embeddings_trains_like_eager():
     model = _train(gpt_plain, _gpt_batch, models.lm_loss)
     assert model.head.weight is model.wte.weight

@@ -276,3 +276,109 @@ def test_experts_in_a_module_list_are_not_units_the_layers_are():
     for p, q in zip(pipe.optim_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
     pipe.close()
+
+
+class _Step(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + torch.tanh(self.lin(x)))
+
+
+class _SharedLayer(nn.Module):
+    """ALBERT's shape: one layer (in a one-element ModuleList) applied several times in a
+    row, glue between the applications, a separate module between two such loops."""
+
+    def __init__(self, d: int = 8, times: int = 4) -> None:
+        super().__init__()
+        self.times = times
+        self.embed = nn.Linear(d, d)
+        self.groups = nn.ModuleList([_Step(d)])
+        self.mid = nn.Linear(d, d)
+        self.other = _Step(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for _ in range(self.times):
+            x = self.groups[0](x) * 0.9  # glue between applications
+        x = self.mid(x)
+        for _ in range(2):
+            x = self.other(x)
+        return self.head(x)
+
+
+def _shared_layer_run(devices: int):
+    torch.manual_seed(0)
+    model = _SharedLayer().double()
+    x = torch.randn(12, 8, dtype=torch.float64)
+    y = torch.randn(12, 3, dtype=torch.float64)
+    loss_fn = lambda o, t: ((o - t) ** 2).sum()  # noqa: E731
+    ref = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * devices,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    return pipe, ref, loss, (x, y, loss_fn)
+
+
+def test_a_layer_applied_several_times_in_a_row_is_a_unit_per_application():
+    pipe, _, _, _ = _shared_layer_run(2)
+    names = [(u.name, u.kind) for u in pipe.plan.units]
+    assert names == [("embed", "prologue"),
+                     ("groups.0", "block"), ("groups.0#2", "block"),
+                     ("groups.0#3", "block"), ("groups.0#4", "block"),
+                     ("mid", "module"), ("other", "block"), ("other#2", "block"),
+                     ("head", "epilogue")]
+    # the plan can cut between applications: the shared weights go with every stage
+    # that applies them
+    stages_with_groups = [s for s in pipe.plan.stages
+                          if any(pipe.plan.units[i].name.startswith("groups.0")
+                                 for i in range(*s.units))]
+    assert len({s.units for s in stages_with_groups}) >= 2
+    pipe.close()
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_layer_applied_several_times_trains_like_eager(devices):
+    import reference
+    pipe, ref, loss, (x, y, loss_fn) = _shared_layer_run(devices)
+    expected = reference.eager_forward_backward(ref, (x,), {}, y, loss_fn, 3)
+    assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
+    got = dict(pipe.model.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.allclose(got[name].grad, p.grad, rtol=1e-10, atol=1e-12), name
+    pipe.close()
+
+
+def test_applications_split_identically_on_any_device_count():
+    grads = []
+    for devices in (1, 2, 4):
+        pipe, _, loss, _ = _shared_layer_run(devices)
+        grads.append((loss, {n: p.grad.clone() for n, p in pipe.model.named_parameters()}))
+        pipe.close()
+    for loss, g in grads[1:]:
+        assert torch.equal(loss, grads[0][0])
+        assert all(torch.equal(g[n], grads[0][1][n]) for n in g)
+
+
+def test_a_module_called_in_separate_places_is_not_a_repeated_block():
+    """Two calls with another parameterised module between them are weight sharing, not a
+    loop: the units keep their old kinds (the tied-module case)."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(8, 8)
+            self.mid = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.shared(self.mid(self.shared(x)))
+
+    pipe = RoundPipe(Tied(), devices=["cpu"])
+    pipe.forward_backward(input_args=(torch.randn(4, 8),), label=torch.randn(4, 8),
+                          loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    assert [(u.name, u.kind) for u in pipe.plan.units] == [
+        ("shared", "module"), ("mid", "module"), ("shared#2", "module")]
+    pipe.close()

@@ -13,7 +13,11 @@ A *layer unit* is the atom the partitioner cuts between.  The units are:
 Nodes that run directly in an ancestor's ``forward`` (glue: mask building, residual adds
 between blocks) join the unit before them.  Units are contiguous runs of nodes in graph
 order, so a unit only reads values from earlier units.  A module called twice in separate
-places (weight sharing) becomes two units, ``name`` and ``name#2``.
+places (weight sharing) becomes two units, ``name`` and ``name#2``.  A module that holds
+parameters and is applied several times in a row (ALBERT's one shared layer, a weight-tied
+loop) is a repeated block in time: each application is a unit (``name``, ``name#2``, ...),
+read from export's call numbering (``path@N`` in ``nn_module_stack``), so the plan can cut
+between applications.
 
 Writes ``node.meta["roundpipe.unit"]`` and returns a :class:`LayerAssignment`.
 """
@@ -21,6 +25,7 @@ Writes ``node.meta["roundpipe.unit"]`` and returns a :class:`LayerAssignment`.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -28,7 +33,7 @@ import torch
 import torch.fx
 
 from ..plan import LayerUnit
-from .trace import MODULE_PATH, TracedGraph, alias_root
+from .trace import MODULE_PATH, TracedGraph, alias_root, normalize_module_path
 
 UNIT = "roundpipe.unit"
 # Values a node writes in place where no schema says so (torch-level IR: Dynamo graphs,
@@ -113,9 +118,58 @@ def _roots_in(module: torch.nn.Module, prefix: str, hidden: frozenset[str]) -> l
     return roots
 
 
+_CALL_NUMBER = re.compile(r"@(\d+)$")
+
+
+def _calls(node: torch.fx.Node) -> dict[str, int]:
+    """Module path -> which application of that module the node runs in (0 for the first;
+    export numbers later ones ``path@N``; Dynamo's graphs have no numbering: always 0)."""
+    calls: dict[str, int] = {}
+    for key, value in (node.meta.get("nn_module_stack") or {}).items():
+        match = _CALL_NUMBER.search(str(key))
+        calls[normalize_module_path(value[0])] = int(match.group(1)) if match else 0
+    return calls
+
+
+def _applied_in_a_row(nodes: list[torch.fx.Node], roots: tuple[str, ...],
+                      param_paths: set[str]) -> list[str]:
+    """Modules holding parameters applied two or more times in a row, outside every unit
+    root: only glue (code of their ancestors) runs between two applications."""
+    spans: dict[str, dict[int, list[int]]] = {}
+    for i, node in enumerate(nodes):
+        for path, call in _calls(node).items():
+            span = spans.setdefault(path, {}).setdefault(call, [i, i])
+            span[1] = i
+
+    def inside(path: str, other: str) -> bool:
+        return path == other or path.startswith(other + ".")
+
+    def glue_for(path: str, node: torch.fx.Node) -> bool:
+        where = node.meta.get(MODULE_PATH, "")
+        return where == "" or path.startswith(where + ".")
+
+    found = []
+    for path, calls in spans.items():
+        if (not path or len(calls) < 2 or path not in param_paths
+                or any(inside(path, r) or inside(r, path) for r in roots)):
+            continue
+        order = [calls[c] for c in sorted(calls)]
+        if all(a[1] < b[0] and all(glue_for(path, n) for n in nodes[a[1] + 1:b[0]])
+               for a, b in zip(order, order[1:])):
+            found.append(path)
+    return [p for p in found if not any(p != q and inside(p, q) for q in found)]
+
+
 def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssignment:
     """Assign every computing node of ``traced`` to a layer unit."""
+    graph = traced.graph_module.graph
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    param_paths = {".".join(name.split(".")[:i])
+                   for spec in traced.state if spec.kind == "parameter"
+                   for name in (spec.fqn, *spec.aliases)
+                   for i in range(1, name.count(".") + 1)}
     roots = tuple(unit_roots)
+    roots += tuple(_applied_in_a_row(nodes, roots, param_paths))
     root_set = set(roots)
     ancestors = {""}
     for r in roots:
@@ -134,10 +188,13 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
                 return prefix
         return None  # glue: runs in an ancestor of the units (or the root) itself
 
-    graph = traced.graph_module.graph
+    def unit_key(node: torch.fx.Node) -> tuple[str, int] | None:
+        key = key_of(node.meta.get(MODULE_PATH, ""))
+        # Each application of a module is its own run (consecutive ones included).
+        return None if key is None else (key, _calls(node).get(key, 0))
+
     state_names = {s.name for s in traced.state}
-    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    keys: dict[torch.fx.Node, str | None] = {}
+    keys: dict[torch.fx.Node, tuple[str, int] | None] = {}
     for node in nodes:
         if node.op == "call_function" and node.target is operator.getitem and isinstance(
                 node.args[0], torch.fx.Node) and node.args[0] in keys:
@@ -145,13 +202,13 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
         elif node.op == "get_attr":
             keys[node] = None  # fixed below: joins the unit of its first user
         else:
-            keys[node] = key_of(node.meta.get(MODULE_PATH, ""))
+            keys[node] = unit_key(node)
     for node in nodes:
         if node.op == "get_attr" and node.users:
             keys[node] = keys.get(next(iter(node.users)))
 
     # Contiguous runs; glue joins the run before it (or the first run).
-    runs: list[tuple[str | None, list[torch.fx.Node]]] = []
+    runs: list[tuple[tuple[str, int] | None, list[torch.fx.Node]]] = []
     for node in nodes:
         key = keys[node]
         if runs and (key is None or key == runs[-1][0] or runs[-1][0] is None):
@@ -161,7 +218,7 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
         else:
             runs.append((key, [node]))
     if not runs:
-        runs = [("model", [])]
+        runs = [(("model", 0), [])]
 
     # Units that read no state and are not blocks (activations, dropout, glue modules)
     # join their neighbour: they cost little and would only clutter the plan.
@@ -169,15 +226,16 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
         return any(isinstance(a, torch.fx.Node) and a.name in state_names
                    for n in run_nodes for a in n.all_input_nodes)
 
-    merged: list[tuple[str | None, list[torch.fx.Node]]] = []
+    merged_runs: list[tuple[tuple[str, int] | None, list[torch.fx.Node]]] = []
     for key, run_nodes in runs:
-        if merged and key not in root_set and not reads_state(run_nodes):
-            merged[-1][1].extend(run_nodes)
-        elif merged and merged[-1][0] not in root_set and not reads_state(merged[-1][1]):
-            merged[-1] = (key, merged[-1][1] + run_nodes)
+        if merged_runs and _base(key) not in root_set and not reads_state(run_nodes):
+            merged_runs[-1][1].extend(run_nodes)
+        elif (merged_runs and _base(merged_runs[-1][0]) not in root_set
+              and not reads_state(merged_runs[-1][1])):
+            merged_runs[-1] = (key, merged_runs[-1][1] + run_nodes)
         else:
-            merged.append((key, list(run_nodes)))
-    merged = _merge_cross_unit_writes(merged)
+            merged_runs.append((key, list(run_nodes)))
+    merged = _merge_cross_unit_writes([(_base(k), n) for k, n in merged_runs])
 
     first_block = next((i for i, (k, _) in enumerate(merged) if k in root_set), None)
     last_block = max((i for i, (k, _) in enumerate(merged) if k in root_set), default=None)
@@ -206,6 +264,10 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
             node.meta[UNIT] = index
             node_unit[node.name] = index
     return LayerAssignment(units=tuple(units), node_unit=node_unit)
+
+
+def _base(key: tuple[str, int] | None) -> str | None:
+    return None if key is None else key[0]
 
 
 def parallel_containers(traced: TracedGraph, layers: LayerAssignment) -> frozenset[str]:

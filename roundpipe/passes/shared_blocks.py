@@ -588,11 +588,11 @@ def _moved_meta(meta: dict[str, Any], rep_path: str, path: str,
                 call_stack: dict[str, Any] | None) -> dict[str, Any]:
     """The copy's metadata: the call's module stack, then the traced block's entries
     inside it moved from ``rep_path`` to ``path``."""
-    from .trace import _normalize_path  # avoids a cycle
+    from .trace import normalize_module_path  # avoids a cycle
     new = dict(meta)
     stack = dict(call_stack or {})
     for key, (where, cls) in (meta.get("nn_module_stack") or {}).items():
-        where = _normalize_path(where)
+        where = normalize_module_path(where)
         if where.startswith(rep_path + "."):
             stack[f"{key}@{path}"] = (path + where[len(rep_path):], cls)
     new["nn_module_stack"] = stack

@@ -580,10 +580,10 @@ def _module_path(node: torch.fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    return _normalize_path(path)
+    return normalize_module_path(path)
 
 
-def _normalize_path(path: str) -> str:
+def normalize_module_path(path: str) -> str:
     """Turn Dynamo-style paths (``L['self'].h[0].attn``) into ``h.0.attn``."""
     if path.startswith("L['self']"):
         path = path[len("L['self']"):].lstrip(".")
