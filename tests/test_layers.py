@@ -382,3 +382,39 @@ def test_a_module_called_in_separate_places_is_not_a_repeated_block():
     assert [(u.name, u.kind) for u in pipe.plan.units] == [
         ("shared", "module"), ("mid", "module"), ("shared#2", "module")]
     pipe.close()
+
+
+def test_a_long_loop_gets_at_most_sixteen_units_of_consecutive_applications():
+    """A recurrent cell over 40 steps: units of 3 applications (ceil(40 / 16)), so the
+    host work per microbatch stays bounded; trains like eager."""
+    import reference
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.GRUCell(4, 8)
+            self.out = nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = torch.zeros(x.shape[0], 8, dtype=x.dtype)
+            for t in range(40):
+                h = self.cell(x[:, t], h)
+            return self.out(h)
+
+    torch.manual_seed(0)
+    model = Recurrent().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 40, 4, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    loss_fn = lambda o, t: ((o - t) ** 2).sum()  # noqa: E731
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    cells = [u for u in pipe.plan.units if u.name.startswith("cell")]
+    assert len(cells) == 14 and cells[0].name == "cell" and cells[-1].name == "cell#14"
+    expected = reference.eager_forward_backward(ref, (x,), {}, y, loss_fn, 2)
+    assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
+    got = dict(pipe.model.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.allclose(got[name].grad, p.grad, rtol=1e-10, atol=1e-12), name
+    pipe.close()

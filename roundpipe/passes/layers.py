@@ -44,6 +44,10 @@ WRITES = "roundpipe.writes"
 # A child of a repeated container is replaced by its own inner units when those cover at
 # least this share of its parameters (nested repeats such as stages[i].blocks[j]).
 _NESTED_COVERAGE = 0.5
+# A module applied many times in a row (a recurrent cell over 1,000 time steps) gets at
+# most this many units, of consecutive applications: each unit costs host work per
+# microbatch, and this many cut points balance any realistic number of devices.
+_MAX_APPLICATION_UNITS = 16
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,10 @@ def _calls(node: torch.fx.Node) -> dict[str, int]:
 
 
 def _applied_in_a_row(nodes: list[torch.fx.Node], roots: tuple[str, ...],
-                      param_paths: set[str]) -> list[str]:
+                      param_paths: set[str]) -> dict[str, int]:
     """Modules holding parameters applied two or more times in a row, outside every unit
-    root: only glue (code of their ancestors) runs between two applications."""
+    root (only glue, code of their ancestors, runs between two applications), with their
+    number of applications."""
     spans: dict[str, dict[int, list[int]]] = {}
     for i, node in enumerate(nodes):
         for path, call in _calls(node).items():
@@ -148,7 +153,7 @@ def _applied_in_a_row(nodes: list[torch.fx.Node], roots: tuple[str, ...],
         where = node.meta.get(MODULE_PATH, "")
         return where == "" or path.startswith(where + ".")
 
-    found = []
+    found: dict[str, int] = {}
     for path, calls in spans.items():
         if (not path or len(calls) < 2 or path not in param_paths
                 or any(inside(path, r) or inside(r, path) for r in roots)):
@@ -156,8 +161,9 @@ def _applied_in_a_row(nodes: list[torch.fx.Node], roots: tuple[str, ...],
         order = [calls[c] for c in sorted(calls)]
         if all(a[1] < b[0] and all(glue_for(path, n) for n in nodes[a[1] + 1:b[0]])
                for a, b in zip(order, order[1:])):
-            found.append(path)
-    return [p for p in found if not any(p != q and inside(p, q) for q in found)]
+            found[path] = len(calls)
+    return {p: n for p, n in found.items()
+            if not any(p != q and inside(p, q) for q in found)}
 
 
 def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssignment:
@@ -169,7 +175,10 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
                    for name in (spec.fqn, *spec.aliases)
                    for i in range(1, name.count(".") + 1)}
     roots = tuple(unit_roots)
-    roots += tuple(_applied_in_a_row(nodes, roots, param_paths))
+    applied = _applied_in_a_row(nodes, roots, param_paths)
+    # applications per unit, ceil(n / _MAX_APPLICATION_UNITS)
+    per_unit = {p: -(-n // _MAX_APPLICATION_UNITS) for p, n in applied.items()}
+    roots += tuple(applied)
     root_set = set(roots)
     ancestors = {""}
     for r in roots:
@@ -191,7 +200,7 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
     def unit_key(node: torch.fx.Node) -> tuple[str, int] | None:
         key = key_of(node.meta.get(MODULE_PATH, ""))
         # Each application of a module is its own run (consecutive ones included).
-        return None if key is None else (key, _calls(node).get(key, 0))
+        return None if key is None else (key, _calls(node).get(key, 0) // per_unit.get(key, 1))
 
     state_names = {s.name for s in traced.state}
     keys: dict[torch.fx.Node, tuple[str, int] | None] = {}
