@@ -13,7 +13,8 @@ Measures, in one run so ratios are comparable:
    (``torch.cuda.set_per_process_memory_fraction``): eager training (expected to run out
    of memory) against roundpipe;
 4. a model that fits: tokens/s of eager PyTorch, of FSDP2 with ``CPUOffloadPolicy`` (one
-   GPU, the closest peer: parameters live on the CPU too) and of roundpipe;
+   GPU, the closest peer: parameters live on the CPU too) and of roundpipe; and the same
+   model with ``compile_units=True`` (inductor unit programs) against the traced ones;
 5. with ``--largest``: Llama shapes of about 3B and 7B parameters under the same 24 GiB
    cap, each either training (tokens/s) or failing (how).
 
@@ -169,7 +170,8 @@ def rss_bytes() -> int:
 
 
 def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: int,
-                   steps: int, pin_memory: str = "alloc") -> dict[str, float]:
+                   steps: int, pin_memory: str = "alloc", compile_units: bool = False
+                   ) -> dict[str, float]:
     import roundpipe
     from roundpipe import RoundPipeRunConfig
     x = torch.randint(0, vocab, (batch, seq))
@@ -177,6 +179,7 @@ def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: i
     rss0 = rss_bytes()
     t0 = time.perf_counter()
     pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32, pin_memory=pin_memory,
+                             compile_units=compile_units,
                              model_run_config=RoundPipeRunConfig(num_microbatch=num_mb))
     compile_s = time.perf_counter() - t0  # tracing, planning and pinning
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-4)
@@ -276,7 +279,7 @@ def fsdp2_offload_step(model: nn.Module, batch: int, seq: int, vocab: int, steps
     return timed_training(model, batch, seq, vocab, steps)
 
 
-SECTIONS = ("machine", "pinning", "sweep", "capped", "fits", "largest")
+SECTIONS = ("machine", "pinning", "sweep", "capped", "fits", "compiled", "largest")
 
 
 def main() -> int:
@@ -407,6 +410,28 @@ def main() -> int:
         save("fits", {"eager": e, "fsdp2_cpu_offload": f, "roundpipe": r})
         print(tabulate([[cell(e), cell(f), cell(r)]],
                        headers=["eager tok/s", "FSDP2 + CPUOffload tok/s", "roundpipe tok/s"]))
+
+    if "compiled" in sections:
+        # compile_units: the unit programs through inductor, against the traced programs,
+        # on the model that fits (launch-bound at 2,048 tokens per microbatch) and at 8,192.
+        rows = []
+        for tokens in (2048, 8192):
+            num_mb = torch.cuda.device_count() + 1
+            batch = max(num_mb, tokens * num_mb // 2048)
+            row: dict[str, Any] = {"tokens_per_microbatch": tokens}
+            for compile_units in (False, True):
+                model = Llama(vocab, 1024, 12, 8, 2816).to(torch.bfloat16)
+                r = attempt(lambda: roundpipe_step(model, batch, 2048, vocab, num_mb, steps,
+                                                   compile_units=compile_units))
+                del model
+                row["compiled" if compile_units else "traced"] = r
+            rows.append(row)
+            save("compiled", rows)
+        print(tabulate([[r["tokens_per_microbatch"], cell(r["traced"]), cell(r["compiled"]),
+                         "" if isinstance(r["compiled"], str)
+                         else f"{r['compiled']['busy_fraction']:.2f}"] for r in rows],
+                       headers=["tokens/mb", "traced tok/s", "compile_units tok/s",
+                                "GPU busy (compiled)"]))
 
     if "largest" in sections:
         torch.cuda.set_per_process_memory_fraction(cap, 0)

@@ -95,6 +95,12 @@ class RoundPipe:
             class with equal attributes and parameter layouts are taken to compute the
             same; pass ``False`` for a model whose blocks branch on something else (module
             identity, global state), so that every block is traced on its own.
+        compile_units: run each layer unit's program through ``torch.compile`` (``True``:
+            the default backend, inductor; a string: that backend), so a unit launches a
+            few fused kernels instead of one per op: for GPUs the host cannot keep busy
+            with small microbatches.  Units with random ops run as traced (their keyed
+            streams take a Python key per microbatch).  Each unit compiles on its first
+            call on each device.
 
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.
@@ -121,6 +127,7 @@ class RoundPipe:
         leaf_modules: Sequence[str | type] | None = None,
         data_parallel: bool | DataParallelConfig | None = None,
         share_blocks: bool = True,
+        compile_units: bool | str = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ModelError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
@@ -144,6 +151,7 @@ class RoundPipe:
         if not isinstance(share_blocks, bool):
             raise ConfigError(f"share_blocks must be True or False, got {share_blocks!r}")
         self.share_blocks = share_blocks
+        self.compile_units = _unit_backend(compile_units)
         self._found_leaves: tuple[str, ...] = ()  # leaves the last trace had to add
         _disable_cache(model)
         object.__setattr__(self, "model", model)
@@ -250,8 +258,8 @@ class RoundPipe:
         host = HostState(self._state, plan.program)
         if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
             pin_host_state(self._state, host, self.pin_memory)
-        entry = _Compiled(plan, host, Executor(plan, host, self.devices, self._landing),
-                          training, analysis)
+        executor = Executor(plan, host, self.devices, self._landing, self.compile_units)
+        entry = _Compiled(plan, host, executor, training, analysis)
         entry.by_cap[cap] = (entry.plan, entry.executor)
         self._compiled.append(entry)
         self._current = entry
@@ -281,7 +289,7 @@ class RoundPipe:
                              num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
                              notes=a.notes)
             entry.by_cap[cap] = (plan, Executor(plan, entry.host, self.devices,
-                                                self._landing))
+                                                self._landing, self.compile_units))
         entry.plan, entry.executor = entry.by_cap[cap]
 
     def replan(self, *, use_measured: bool = True, **options: Any) -> StagePlan:
@@ -315,7 +323,8 @@ class RoundPipe:
                         else plan.memory_cap,
                         num_stages=self.num_stages, notes=plan.notes)
         entry.plan = new
-        entry.executor = Executor(new, entry.host, self.devices, self._landing)
+        entry.executor = Executor(new, entry.host, self.devices, self._landing,
+                                  self.compile_units)
         entry.by_cap = {new.memory_cap: (entry.plan, entry.executor)}
         return new
 
@@ -644,6 +653,23 @@ class RoundPipe:
 
 # Model methods that only flip flags: forwarded without publishing pending steps.
 _FLAG_METHODS = frozenset({"train", "eval", "requires_grad_"})
+
+
+def _unit_backend(compile_units: bool | str) -> str | None:
+    """The torch.compile backend for unit programs, or None (run them as traced)."""
+    if compile_units is False:
+        return None
+    if compile_units is True:
+        return "inductor"
+    if isinstance(compile_units, str):
+        from torch._dynamo import list_backends
+        known = set(list_backends(exclude_tags=())) | {"inductor"}
+        if compile_units not in known:
+            raise ConfigError(f"compile_units={compile_units!r} is not a torch.compile backend "
+                              f"(known: {', '.join(sorted(known))}); pass True for inductor")
+        return compile_units
+    raise ConfigError(f"compile_units must be True, False or a torch.compile backend name, "
+                      f"got {compile_units!r}")
 
 
 def compile(  # noqa: A001 - the documented name

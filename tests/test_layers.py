@@ -341,15 +341,19 @@ def test_a_layer_applied_several_times_in_a_row_is_a_unit_per_application():
     pipe.close()
 
 
-@pytest.mark.parametrize("devices", [1, 3])
-def test_a_layer_applied_several_times_trains_like_eager(devices):
+def _assert_matches_eager(pipe, ref, loss, x, y, loss_fn, num_mb):
     import reference
-    pipe, ref, loss, (x, y, loss_fn) = _shared_layer_run(devices)
-    expected = reference.eager_forward_backward(ref, (x,), {}, y, loss_fn, 3)
+    expected = reference.eager_forward_backward(ref, (x,), {}, y, loss_fn, num_mb)
     assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
     got = dict(pipe.model.named_parameters())
     for name, p in ref.named_parameters():
         assert torch.allclose(got[name].grad, p.grad, rtol=1e-10, atol=1e-12), name
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_layer_applied_several_times_trains_like_eager(devices):
+    pipe, ref, loss, (x, y, loss_fn) = _shared_layer_run(devices)
+    _assert_matches_eager(pipe, ref, loss, x, y, loss_fn, 3)
     pipe.close()
 
 
@@ -387,7 +391,6 @@ def test_a_module_called_in_separate_places_is_not_a_repeated_block():
 def test_a_long_loop_gets_at_most_sixteen_units_of_consecutive_applications():
     """A recurrent cell over 40 steps: units of 3 applications (ceil(40 / 16)), so the
     host work per microbatch stays bounded; trains like eager."""
-    import reference
 
     class Recurrent(nn.Module):
         def __init__(self) -> None:
@@ -412,9 +415,5 @@ def test_a_long_loop_gets_at_most_sixteen_units_of_consecutive_applications():
     loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
     cells = [u for u in pipe.plan.units if u.name.startswith("cell")]
     assert len(cells) == 14 and cells[0].name == "cell" and cells[-1].name == "cell#14"
-    expected = reference.eager_forward_backward(ref, (x,), {}, y, loss_fn, 2)
-    assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
-    got = dict(pipe.model.named_parameters())
-    for name, p in ref.named_parameters():
-        assert torch.allclose(got[name].grad, p.grad, rtol=1e-10, atol=1e-12), name
+    _assert_matches_eager(pipe, ref, loss, x, y, loss_fn, 2)
     pipe.close()

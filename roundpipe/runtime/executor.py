@@ -181,7 +181,8 @@ class Executor:
     """Runs calls of one :class:`StagePlan` on a pool of devices."""
 
     def __init__(self, plan: StagePlan, host: HostState, devices: Sequence[Device],
-                 landing: GradLanding | None = None) -> None:
+                 landing: GradLanding | None = None, compile_backend: str | None = None
+                 ) -> None:
         self.plan = plan
         self.program = plan.program
         self.host = host
@@ -201,6 +202,10 @@ class Executor:
         self.landing = landing if landing is not None else GradLanding(convert=False)
         self.grad_buffers = self.landing.buffers
         self._grad_dtypes: dict[str, torch.dtype] = {}
+        # torch.compile'd unit programs (by unit index), made on first use.
+        self.compile_backend = compile_backend
+        self._runnables: dict[int, Callable[..., Any]] = {}
+        self._runnables_lock = threading.Lock()
 
     # --- public entry points -------------------------------------------------------------
     def train(self, inputs: list[dict[str, Any]], labels: list[Any], loss_fn: Callable,
@@ -441,6 +446,21 @@ class Executor:
         return RunResult(losses=call.losses, outputs=outputs, param_grads=param_grads,
                          buffers=call.buffers, input_grads=input_grads, stats=stats,
                          grads_owned=frozenset(owned))
+
+    def runnable(self, unit: UnitProgram) -> Callable[..., Any]:
+        """What runs ``unit``: its program, or the program through torch.compile.  Units
+        with keyed random ops stay as traced: their RngKey argument differs per
+        microbatch, and Dynamo would guard on it and recompile every call."""
+        fn = self._runnables.get(unit.index)
+        if fn is None:
+            with self._runnables_lock:
+                fn = self._runnables.get(unit.index)
+                if fn is None:
+                    fn = unit.module
+                    if self.compile_backend is not None and not unit.needs_rng:
+                        fn = torch.compile(unit.module, backend=self.compile_backend)
+                    self._runnables[unit.index] = fn
+        return fn
 
     def _master_has_no_grad(self, slot: str) -> bool:
         return self.host.shared.master(self.host.specs[slot].fqn).grad is None
@@ -802,7 +822,7 @@ class _JobRunner:
         if unit.needs_rng:
             extra.append(self.call.keys[mb])
         with self._autocast():
-            return unit.module(*args, *self._state_args(unit), *extra)
+            return self.ex.runnable(unit)(*args, *self._state_args(unit), *extra)
 
     def _apply_buffer_updates(self, unit: UnitProgram, values: dict[str, Any]) -> None:
         # Reassigned buffers: the next microbatch of this job reads the new value.

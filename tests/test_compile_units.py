@@ -1,0 +1,100 @@
+"""compile_units: each layer unit's program runs through torch.compile.  Same results as
+the traced programs, on any device count; units with keyed random ops stay as traced."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import models
+from roundpipe import ConfigError, RoundPipe, RoundPipeRunConfig
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _run(devices: int, compile_units, *, grain: str = "stage", dropout: float = 0.0,
+         calls: int = 2):
+    torch.manual_seed(0)
+    model, (idx,), kwargs = models.gpt(batch=8, dropout=dropout)
+    model = model.double()
+    labels = torch.randint(0, 64, idx.shape)
+    pipe = RoundPipe(model, devices=["cpu"] * devices, compile_units=compile_units, seed=5,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=4,
+                                                         recompute_grain=grain))
+    losses = [pipe.forward_backward(input_args=(idx,), input_kwargs=kwargs, label=labels,
+                                    loss_fn=models.lm_loss) for _ in range(calls)]
+    grads = {n: p.grad.clone() for n, p in pipe.model.named_parameters()}
+    return pipe, losses, grads
+
+
+def _close_to(a, b, rtol):
+    (la, ga), (lb, gb) = a, b
+    assert all(torch.allclose(x, y, rtol=rtol, atol=0) for x, y in zip(la, lb))
+    for name in ga:
+        assert torch.allclose(ga[name], gb[name], rtol=rtol, atol=1e-14), name
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_compiled_units_match_the_traced_programs(grain):
+    pipe, *traced = _run(2, False, grain=grain)
+    pipe.close()
+    pipe, *compiled = _run(2, "aot_eager", grain=grain)
+    units = pipe.plan.program.units
+    # every unit went through Dynamo without a graph break
+    assert all(pipe._current.executor.runnable(u) is not u.module for u in units)
+    assert counters["stats"]["unique_graphs"] >= len(units)
+    assert not counters["graph_break"]
+    pipe.close()
+    _close_to(compiled, traced, 1e-12)
+
+
+def test_compiled_units_are_identical_on_any_device_count():
+    results = []
+    for devices in (1, 3):
+        pipe, losses, grads = _run(devices, "aot_eager")
+        pipe.close()
+        results.append((losses, grads))
+    (l1, g1), (l3, g3) = results
+    assert all(torch.equal(a, b) for a, b in zip(l1, l3))
+    assert all(torch.equal(g1[n], g3[n]) for n in g1)
+
+
+def test_units_with_random_ops_run_as_traced():
+    pipe, *compiled = _run(2, "aot_eager", dropout=0.1)
+    executor = pipe._current.executor
+    units = pipe.plan.program.units
+    random_units = [u for u in units if u.needs_rng]
+    assert random_units and len(random_units) < len(units)
+    for u in units:
+        assert (executor.runnable(u) is u.module) == u.needs_rng, u.name
+    pipe.close()
+    pipe, *traced = _run(2, False, dropout=0.1)
+    pipe.close()
+    _close_to(compiled, traced, 1e-12)  # the same keyed masks
+
+
+@pytest.mark.parametrize("value", ["no_such_backend", 3, None])
+def test_compile_units_refuses_what_is_not_a_backend(value):
+    model, _, _ = models.gpt()
+    with pytest.raises(ConfigError, match="compile_units"):
+        RoundPipe(model, devices=["cpu"], compile_units=value)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor on the CPU needs a C++ compiler; none is installed")
+def test_inductor_units_match_the_traced_programs():
+    pipe, *traced = _run(1, False, calls=1)
+    pipe.close()
+    pipe, *compiled = _run(1, True, calls=1)
+    assert pipe.compile_units == "inductor"
+    pipe.close()
+    _close_to(compiled, traced, 1e-10)
