@@ -112,6 +112,30 @@ def main() -> None:
                      f"{med(waits):.1f} ({min(waits):.1f} to {max(waits):.1f})"]],
                    headers=["forward_backward ms (no step pending)",
                             "ms (async step pending)", "difference ms (spread)"]))
+    grad_landing(n, args.repeats)
+
+
+def grad_landing(n: int, repeats: int) -> None:
+    """What converting a bf16 gradient into an fp32 ``.grad`` costs in memory the allocator
+    hands out fresh (page-faulted on first write) against memory reused from the last call
+    (what roundpipe's GradLanding does), interleaved."""
+    src = torch.randn(n).to(torch.bfloat16)
+    reused = src.to(torch.float32)
+    fresh_s, reused_s = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = src.to(torch.float32, copy=True)
+        fresh_s.append(time.perf_counter() - t)
+        del out
+        t = time.perf_counter()
+        reused.copy_(src)
+        reused_s.append(time.perf_counter() - t)
+    ratios = [a / b for a, b in zip(fresh_s, reused_s)]
+    print(tabulate([[f"{statistics.median(fresh_s) * 1e3:.1f}",
+                     f"{statistics.median(reused_s) * 1e3:.1f}",
+                     f"{statistics.median(ratios):.1f} ({min(ratios):.1f}-{max(ratios):.1f})"]],
+                   headers=[f"bf16 -> fp32 .grad, {n / 1e6:.1f} M: fresh memory ms",
+                            "reused memory ms", "fresh / reused (spread)"]))
 
 
 if __name__ == "__main__":
