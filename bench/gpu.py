@@ -200,6 +200,9 @@ def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: i
             "busy_fraction": busy,
             "stages": len(pipe.plan.stages),
             "peak_allocated_GiB": torch.cuda.max_memory_allocated() / GiB,
+            # the plan's estimate for the same (two stages resident): how pessimistic
+            # the memory model is decides how many stages a memory cap forces
+            "plan_device_memory_GiB": pipe.plan.device_memory_bytes / GiB,
             "compile_s": compile_s,
             "host_rss_growth_GiB": (rss_bytes() - rss0) / GiB,
             "model_GiB": sum(p.numel() * p.element_size() for p in model.parameters()) / GiB,
