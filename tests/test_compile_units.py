@@ -98,3 +98,17 @@ def test_inductor_units_match_the_traced_programs():
     assert pipe.compile_units == "inductor"
     pipe.close()
     _close_to(compiled, traced, 1e-10)
+
+
+def test_each_torch_device_compiles_its_own_copy_of_a_unit():
+    """Dynamo keeps compiled versions per code object and guards on the device: one copy
+    shared by many GPUs would pass its recompile limit.  Virtual CPU devices share one."""
+    pipe, _, _ = _run(3, "aot_eager", calls=1)
+    ex = pipe._current.executor
+    unit = pipe.plan.program.units[2]
+    on_cpu = ex.runnable(unit, torch.device("cpu"))
+    assert on_cpu is ex.runnable(unit) and on_cpu._orig_mod is unit.module
+    elsewhere = ex.runnable(unit, torch.device("meta"))  # stands for a second GPU
+    assert elsewhere is not on_cpu and elsewhere._orig_mod is not unit.module
+    assert elsewhere._orig_mod.code == unit.module.code
+    pipe.close()

@@ -238,3 +238,36 @@ def test_memory_of_dropped_gradients_is_refilled_not_reallocated():
     assert set(names) - set(reused) == {kept_name, viewed_name}
     assert torch.equal(kept, kept_value) and torch.equal(viewed, viewed_value)
     pipe.close()
+
+
+def test_what_is_kept_between_calls_is_at_most_one_gradient_set():
+    """Only parameters read by one unit are converted early (a tied or shared parameter's
+    contributions are summed into a new tensor by the commit anyway), and a parameter no
+    longer trained drops what was kept for it."""
+    pipe, args = _setup(devices=2)
+    opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.0)
+    pipe.forward_backward(**args)
+    pipe.synchronize()
+    program = pipe.plan.program
+    readers = {}
+    for unit in program.units:
+        for slot in unit.state:
+            readers[slot] = readers.get(slot, 0) + 1
+    shared = {s for s, n in readers.items() if n > 1}
+    assert shared, "the GPT's tied embedding is read by two units"
+    kept = dict(pipe._landing._spare)
+    assert kept and not any(slot in shared for _, slot in kept)
+    one_set = sum(p.numel() * 4 for p in pipe.optim_parameters())
+    assert sum(t.numel() * t.element_size() for t in kept.values()) <= one_set
+    # freeze one parameter: what was kept for it goes with the next call
+    frozen = next(iter(kept))[1]
+    fqn = program.state_by_name()[frozen].fqn
+    pipe.step(lambda: (opt.step(), opt.zero_grad()))
+    pipe.synchronize()
+    pipe.model.get_parameter(fqn).requires_grad_(False)
+    pipe.forward_backward(**args)
+    pipe.synchronize()
+    pipe._landing._pool.submit(lambda: None).result()  # pruning runs on that thread
+    assert any(slot == frozen for _, slot in kept)
+    assert pipe._landing._spare and not any(slot == frozen for _, slot in pipe._landing._spare)
+    pipe.close()

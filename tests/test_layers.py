@@ -417,3 +417,27 @@ def test_a_long_loop_gets_at_most_sixteen_units_of_consecutive_applications():
     assert len(cells) == 14 and cells[0].name == "cell" and cells[-1].name == "cell#14"
     _assert_matches_eager(pipe, ref, loss, x, y, loss_fn, 2)
     pipe.close()
+
+
+def test_a_block_of_a_module_list_looped_many_times_is_capped_too():
+    """The cap holds for unit roots as well: blocks[1] applied 40 times in a row."""
+
+    class Looped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList([_Step(8), _Step(8)])
+            self.out = nn.Linear(8, 2)
+
+        def forward(self, x):
+            x = self.blocks[0](self.inp(x))
+            for _ in range(40):
+                x = self.blocks[1](x)
+            return self.out(x)
+
+    pipe = RoundPipe(Looped(), devices=["cpu"])
+    pipe.forward_backward(input_args=(torch.randn(4, 4),), label=torch.randn(4, 2),
+                          loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    looped = [u.name for u in pipe.plan.units if u.name.startswith("blocks.1")]
+    assert looped[0] == "blocks.1" and looped[-1] == "blocks.1#14" and len(looped) == 14
+    pipe.close()

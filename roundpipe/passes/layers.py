@@ -176,9 +176,14 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
                    for i in range(1, name.count(".") + 1)}
     roots = tuple(unit_roots)
     applied = _applied_in_a_row(nodes, roots, param_paths)
-    # applications per unit, ceil(n / _MAX_APPLICATION_UNITS)
-    per_unit = {p: -(-n // _MAX_APPLICATION_UNITS) for p, n in applied.items()}
     roots += tuple(applied)
+    # Applications per unit, ceil(n / _MAX_APPLICATION_UNITS), for every module: a block
+    # of a ModuleList looped 100 times is capped like a module found by _applied_in_a_row.
+    applications: dict[str, set[int]] = {}
+    for node in nodes:
+        for path, call in _calls(node).items():
+            applications.setdefault(path, set()).add(call)
+    per_unit = {p: -(-len(c) // _MAX_APPLICATION_UNITS) for p, c in applications.items()}
     root_set = set(roots)
     ancestors = {""}
     for r in roots:

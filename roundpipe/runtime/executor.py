@@ -27,8 +27,10 @@ weights, gradients and buffers as they were.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
+import copy
 import functools
 import logging
 import threading
@@ -202,9 +204,10 @@ class Executor:
         self.landing = landing if landing is not None else GradLanding(convert=False)
         self.grad_buffers = self.landing.buffers
         self._grad_dtypes: dict[str, torch.dtype] = {}
+        self._readers = collections.Counter(s for u in self.units for s in u.state)
         # torch.compile'd unit programs (by unit index), made on first use.
         self.compile_backend = compile_backend
-        self._runnables: dict[int, Callable[..., Any]] = {}
+        self._runnables: dict[tuple[int, str], Callable[..., Any]] = {}
         self._runnables_lock = threading.Lock()
 
     # --- public entry points -------------------------------------------------------------
@@ -404,6 +407,8 @@ class Executor:
             call.handoff.clear()
             # Nothing may still read the download buffers once the call returns.
             concurrent.futures.wait(list(call.converted.values()))
+            if call.converted:
+                self.landing.retain({(uid, slot) for slot, uid in call.converted})
         if errors:
             job, device, e = min(errors, key=lambda x: x[0].index)
             described = self._describe_error(job, device, e)
@@ -437,7 +442,8 @@ class Executor:
         if call.converted:
             param_grads = {}
             for slot, grads in call.param_grads.items():
-                converted = [call.converted[(slot, uid)].result() for uid, _ in grads]
+                converted = [call.converted[(slot, uid)].result()
+                             if (slot, uid) in call.converted else None for uid, _ in grads]
                 if all(c is not None for c in converted):
                     param_grads[slot] = [(uid, c) for (uid, _), c in zip(grads, converted)]
                     owned.add(slot)
@@ -447,19 +453,28 @@ class Executor:
                          buffers=call.buffers, input_grads=input_grads, stats=stats,
                          grads_owned=frozenset(owned))
 
-    def runnable(self, unit: UnitProgram) -> Callable[..., Any]:
-        """What runs ``unit``: its program, or the program through torch.compile.  Units
-        with keyed random ops stay as traced: their RngKey argument differs per
-        microbatch, and Dynamo would guard on it and recompile every call."""
-        fn = self._runnables.get(unit.index)
+    def runnable(self, unit: UnitProgram, device: torch.device | None = None
+                 ) -> Callable[..., Any]:
+        """What runs ``unit`` on ``device`` (default: the first device's): its program, or
+        the program through torch.compile.  Units with keyed random ops stay as traced:
+        their RngKey argument differs per microbatch, and Dynamo would guard on it and
+        recompile every call.  Each torch device compiles its own copy of the program:
+        Dynamo keeps its compiled versions per code object and guards on the device, so
+        one copy shared by eight GPUs would pass its recompile limit and fall back to the
+        traced program unannounced."""
+        device = torch.device(device) if device is not None else self.devices[0].torch_device
+        key = (unit.index, str(device))
+        fn = self._runnables.get(key)
         if fn is None:
             with self._runnables_lock:
-                fn = self._runnables.get(unit.index)
+                fn = self._runnables.get(key)
                 if fn is None:
                     fn = unit.module
                     if self.compile_backend is not None and not unit.needs_rng:
-                        fn = torch.compile(unit.module, backend=self.compile_backend)
-                    self._runnables[unit.index] = fn
+                        first = not any(k[0] == unit.index for k in self._runnables)
+                        module = unit.module if first else copy.deepcopy(unit.module)
+                        fn = torch.compile(module, backend=self.compile_backend)
+                    self._runnables[key] = fn
         return fn
 
     def _master_has_no_grad(self, slot: str) -> bool:
@@ -696,12 +711,16 @@ class _JobRunner:
             self.handed.add((uid, slot))
             staged.append((slot, uid, host))
         converted = {}
-        if staged and self._converts():
+        # A parameter read by several units (tied weights, a shared layer) is summed by
+        # the commit into a new tensor anyway: converting each contribution first would
+        # only hold more full-precision copies.
+        single = [(slot, uid, g) for slot, uid, g in staged if self.ex._readers[slot] == 1]
+        if single and self._converts():
             landed = self.device.after_downloads()
             converted = {(slot, uid): self.ex.landing.convert_after(
                 landed, g, self.ex._grad_dtype(slot), self.call.steps,
                 functools.partial(self.ex._master_has_no_grad, slot), key=(uid, slot))
-                for slot, uid, g in staged}
+                for slot, uid, g in single}
         with self.call.lock:
             for slot, uid, g in staged:
                 self.call.param_grads.setdefault(slot, []).append((uid, g))
@@ -822,7 +841,8 @@ class _JobRunner:
         if unit.needs_rng:
             extra.append(self.call.keys[mb])
         with self._autocast():
-            return self.ex.runnable(unit)(*args, *self._state_args(unit), *extra)
+            return self.ex.runnable(unit, self.device.torch_device)(
+                *args, *self._state_args(unit), *extra)
 
     def _apply_buffer_updates(self, unit: UnitProgram, values: dict[str, Any]) -> None:
         # Reassigned buffers: the next microbatch of this job reads the new value.

@@ -86,8 +86,8 @@ class GradLanding:
     def _copy(self, host: torch.Tensor, dtype: torch.dtype, key: tuple[int, str] | None
               ) -> torch.Tensor:
         spare = self._spare.pop(key, None) if key is not None else None
-        if spare is not None and _unshared(spare) and spare.shape == host.shape \
-                and spare.dtype == dtype:
+        if spare is not None and _REFCOUNT_SEES_HOLDERS and _unshared(spare) \
+                and spare.shape == host.shape and spare.dtype == dtype:
             out = spare.copy_(host)
         else:
             out = host.to(dtype, copy=True)
@@ -95,6 +95,16 @@ class GradLanding:
         if key is not None:
             self._spare[key] = out
         return out
+
+    def retain(self, keys: set[tuple[int, str]]) -> None:
+        """Drop the kept tensors of gradients a call no longer produced (a parameter
+        frozen since, another program's numbering); after the call's own conversions."""
+        def prune() -> None:
+            for key in [k for k in self._spare if k not in keys]:
+                del self._spare[key]
+        with self._lock:
+            if self._pool is not None:
+                self._pool.submit(prune)
 
     def close(self) -> None:
         with self._lock:
@@ -113,3 +123,21 @@ def _unshared(t: torch.Tensor) -> bool:
         return False
     # getrefcount: the caller's name, this parameter and the call's own argument
     return sys.getrefcount(t) <= 3 and views <= 2 and not t.requires_grad
+
+
+def _sees_holders() -> bool:
+    """Whether :func:`_unshared` notices a tensor held only from C++ (as a ``.grad``),
+    which depends on how this torch keeps tensors' Python objects alive.  Refilling is
+    off where it does not: a kept tensor must never be overwritten."""
+    def probe() -> bool:
+        held = torch.zeros(1)
+        owner = torch.nn.Parameter(torch.zeros(1))
+        owner.grad = held
+        return not _unshared(held)
+    try:
+        return probe()
+    except Exception:  # noqa: BLE001 - unsure means off
+        return False
+
+
+_REFCOUNT_SEES_HOLDERS = _sees_holders()
