@@ -45,6 +45,7 @@ import torch.utils._pytree as pytree
 from ..errors import LossError, OutOfMemoryError, RoundPipeError, StageError
 from ..plan import StagePlan, UnitProgram
 from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer
+from .grad_flow import live_nodes
 from .grad_landing import GradLanding
 from .host_state import HostState
 from .rng import RngKey
@@ -304,11 +305,7 @@ class Executor:
             for node, name in zip(placeholders, names):
                 if name in carries:
                     live.add(node.name)
-            for node in graph.nodes:
-                if node.op in ("placeholder", "output"):
-                    continue
-                if any(a.name in live for a in node.all_input_nodes):
-                    live.add(node.name)
+            live = live_nodes(graph, live)
             out_node = next(n for n in graph.nodes if n.op == "output")
             for value, name in zip(out_node.args[0], unit.outputs):
                 if isinstance(value, torch.fx.Node) and value.name in live:
