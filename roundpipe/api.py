@@ -98,9 +98,9 @@ class RoundPipe:
         compile_units: run each layer unit's program through ``torch.compile`` (``True``:
             the default backend, inductor; a string: that backend), so a unit launches a
             few fused kernels instead of one per op: for GPUs the host cannot keep busy
-            with small microbatches.  Units with random ops run as traced (their keyed
-            streams take a Python key per microbatch).  Each unit compiles on its first
-            call on each device.
+            with small microbatches.  Keyed random ops (dropout) run uncompiled between
+            a unit's compiled pieces, with the same masks.  Each unit compiles on its
+            first call on each device.
 
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.

@@ -44,6 +44,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import LossError, OutOfMemoryError, RoundPipeError, StageError
 from ..plan import StagePlan, UnitProgram
+from . import rng
 from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer
 from .grad_flow import live_nodes
 from .grad_landing import GradLanding
@@ -453,9 +454,8 @@ class Executor:
     def runnable(self, unit: UnitProgram, device: torch.device | None = None
                  ) -> Callable[..., Any]:
         """What runs ``unit`` on ``device`` (default: the first device's): its program, or
-        the program through torch.compile.  Units with keyed random ops stay as traced:
-        their RngKey argument differs per microbatch, and Dynamo would guard on it and
-        recompile every call.  Each torch device compiles its own copy of the program:
+        the program through torch.compile (keyed random ops run uncompiled between its
+        pieces, see runtime/rng.py).  Each torch device compiles its own copy:
         Dynamo keeps its compiled versions per code object and guards on the device, so
         one copy shared by eight GPUs would pass its recompile limit and fall back to the
         traced program unannounced."""
@@ -467,10 +467,10 @@ class Executor:
                 fn = self._runnables.get(key)
                 if fn is None:
                     fn = unit.module
-                    if self.compile_backend is not None and not unit.needs_rng:
+                    if self.compile_backend is not None:
                         first = not any(k[0] == unit.index for k in self._runnables)
-                        module = unit.module if first else copy.deepcopy(unit.module)
-                        fn = torch.compile(module, backend=self.compile_backend)
+                        fn = torch.compile(_for_compile(unit.module, fresh=not first),
+                                           backend=self.compile_backend)
                     self._runnables[key] = fn
         return fn
 
@@ -621,6 +621,23 @@ def _settle(done: Future, landed: Future | None) -> None:
             done.set_exception(error)
     except InvalidStateError:
         pass
+
+
+def _for_compile(module: torch.nn.Module, *, fresh: bool) -> torch.nn.Module:
+    """The unit program to hand to torch.compile: a copy (``fresh``, or when it calls keyed
+    random ops, which the copy calls through :func:`rng.uncompiled`), else itself."""
+    graph = getattr(module, "graph", None)
+    keyed = graph is not None and any(
+        n.op == "call_function" and n.target in rng.KEYED_OPS for n in graph.nodes)
+    if not (fresh or keyed):
+        return module
+    module = copy.deepcopy(module)
+    if keyed:
+        for node in module.graph.nodes:  # type: ignore[union-attr]
+            if node.op == "call_function" and node.target in rng.KEYED_OPS:
+                node.target = rng.uncompiled(node.target)
+        module.recompile()  # type: ignore[operator]
+    return module
 
 
 class _JobRunner:

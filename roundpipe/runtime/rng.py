@@ -76,6 +76,15 @@ def native_dropout(x: torch.Tensor, p: float, train: bool | None, key: RngKey | 
     return x * mask * scale, mask
 
 
+@functools.lru_cache(maxsize=None)
+def uncompiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (one of the keyed ops above or :func:`seeded`) marked for torch.compile to
+    run as it is, between the compiled pieces of a unit: its RngKey differs per
+    microbatch, and Dynamo would guard on the key's fields and recompile every call.
+    Made on demand, so importing roundpipe does not import Dynamo."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 _LOCKS: dict[str, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 
@@ -133,3 +142,6 @@ def seeded(op: str, key: RngKey | None, unit: int, ordinal: int,
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(seed)
             return fn(*args, **kwargs)
+
+
+KEYED_OPS = (dropout, native_dropout, seeded)
