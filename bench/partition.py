@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from roundpipe.compiler import analyze, compile_model  # noqa: E402
 from roundpipe.passes.partition import min_max_partition  # noqa: E402
-from roundpipe.runtime.rng import RngKey  # noqa: E402
+from roundpipe.ops.rng import RngKey  # noqa: E402
 
 
 # --- models ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from .runtime.microbatch import (batch_size_of, check_on_cpu, input_path, merge_
                                  split_inputs, split_label)
 from .runtime.data_parallel import DataParallel, DataParallelConfig, DataParallelInfo
 from .runtime.optimizer import OptimizerWorker
-from .runtime.rng import RngKey
+from .ops.rng import RngKey
 from .runtime.signature import flatten_inputs, leading_size, matches
 
 log = logging.getLogger(__name__)

@@ -52,7 +52,7 @@ from .plan import ModelProgram, StagePlan
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.host_state import WeightFences
-from .runtime.rng import RngKey
+from .ops.rng import RngKey
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .api import RoundPipe, _Compiled
     from .config import ResolvedRunConfig
     from .runtime.executor import RunResult
-    from .runtime.rng import RngKey
+    from .ops.rng import RngKey
 
 
 class _Context:

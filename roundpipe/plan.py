@@ -66,7 +66,7 @@ class UnitProgram:
     ``module(*inputs, *state, [device], [rng])`` returns a tuple with one entry per name in
     ``outputs``.  ``device`` is passed when ``needs_device`` (factory ops such as
     ``arange`` create tensors on the executing device); ``rng`` is a
-    :class:`roundpipe.runtime.rng.RngKey` passed when ``needs_rng``.
+    :class:`roundpipe.ops.rng.RngKey` passed when ``needs_rng``.
     """
 
     index: int

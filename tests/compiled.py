@@ -31,7 +31,7 @@ from roundpipe.passes.cost import CostReport
 from roundpipe.passes.layers import LayerAssignment
 from roundpipe.passes.trace import TracedGraph
 from roundpipe.plan import ModelProgram, StagePlan
-from roundpipe.runtime.rng import RngKey
+from roundpipe.ops.rng import RngKey
 
 CPU = torch.device("cpu")
 

@@ -17,7 +17,7 @@ import torch
 import models
 from compiled import (EXTRA, assert_same_structure_and_values, compiled,
                       eager_and_staged, run_stages)
-from roundpipe.runtime.rng import RngKey
+from roundpipe.ops.rng import RngKey
 
 DTYPES = [torch.float32, torch.float64]
 ALL_MODELS = list(models.ALL) + ["const_net", "grouped_net"]
@@ -132,14 +132,14 @@ def test_random_ops_are_rewritten_to_keyed_streams():
     units = {u.name: u for u in plan.program.units}
     for name in ("wpe", "h.0", "h.1", "h.2", "h.3"):
         code = units[name].module.code
-        assert "roundpipe_runtime_rng" in code, name
+        assert "roundpipe_ops_rng" in code, name
         assert "aten.dropout" not in code and "native_dropout" not in code
         assert units[name].needs_rng
     # The embedding dropout sits in the wpe unit; each block has two dropouts.
-    assert units["wpe"].module.code.count("roundpipe_runtime_rng_dropout") == 1
-    assert units["h.0"].module.code.count("roundpipe_runtime_rng_dropout") == 2
+    assert units["wpe"].module.code.count("roundpipe_ops_rng_dropout") == 1
+    assert units["h.0"].module.code.count("roundpipe_ops_rng_dropout") == 2
     assert not units["ln_f"].needs_rng and not units["head"].needs_rng
-    assert "roundpipe_runtime_rng" in plan.stage_code(0)
+    assert "roundpipe_ops_rng" in plan.stage_code(0)
 
 
 def test_device_constants_read_the_device_argument():

@@ -10,7 +10,7 @@ Three rewrites make programs runnable on any device and reproducible:
 
 * device constants captured at trace time (``arange(..., device=cpu)``) read ``_device``;
 * ``aten._assert_tensor_metadata`` (which asserts the trace device) is dropped;
-* random ops draw from keyed streams (:mod:`roundpipe.runtime.rng`), seeded by
+* random ops draw from keyed streams (:mod:`roundpipe.ops.rng`), seeded by
   (call, microbatch, unit, op ordinal) through ``_rng``.
 
 A stage program calls the unit programs of its range in order; it is what
@@ -28,8 +28,8 @@ import torch.fx
 from torch.fx.node import map_aggregate
 
 from ..plan import ModelProgram, StateSpec, UnitProgram
-from ..runtime import rng
-from ..runtime.modcall import call_module_functional
+from ..ops import rng
+from ..ops.modcall import call_module_functional
 from .layers import LayerAssignment
 from .trace import MUTATES, TracedGraph
 

@@ -37,7 +37,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import ConfigError
-from ..runtime.modcall import call_module_functional, tensor_leaves
+from ..ops.modcall import call_module_functional, tensor_leaves
 
 LEAF_PREFIX = "_leaf_"
 

@@ -47,7 +47,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
-from ..runtime.modcall import call_module_functional
+from ..ops.modcall import call_module_functional
 from .custom_backward import CustomBackwardFunction, refuse_custom_backward
 from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,

@@ -44,12 +44,12 @@ import torch.utils._pytree as pytree
 
 from ..errors import LossError, OutOfMemoryError, RoundPipeError, StageError
 from ..plan import StagePlan, UnitProgram
-from . import rng
+from ..ops import rng
 from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer
 from .grad_flow import live_nodes
 from .grad_landing import GradLanding
 from .host_state import HostState
-from .rng import RngKey
+from ..ops.rng import RngKey
 
 log = logging.getLogger(__name__)
 
@@ -455,7 +455,7 @@ class Executor:
                  ) -> Callable[..., Any]:
         """What runs ``unit`` on ``device`` (default: the first device's): its program, or
         the program through torch.compile (keyed random ops run uncompiled between its
-        pieces, see runtime/rng.py).  Each torch device compiles its own copy:
+        pieces, see ops/rng.py).  Each torch device compiles its own copy:
         Dynamo keeps its compiled versions per code object and guards on the device, so
         one copy shared by eight GPUs would pass its recompile limit and fall back to the
         traced program unannounced."""
