@@ -38,6 +38,21 @@ from .runtime.signature import flatten_inputs, leading_size, matches
 log = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def _tracing_autocast(kind: str, autocast: tuple[str, torch.dtype] | None) -> Iterator[None]:
+    """Trace in the autocast state the calls of the program run in: the model's own code
+    may branch on a dtype autocast decides (``if h.dtype != torch.float32``), and a
+    program traced without autocast would take the float32 branch under bf16.  Tracing
+    runs on the CPU, so a CUDA caller's state is traced as CPU autocast of the same dtype;
+    the ops stay autocast-implicit in the graph and run under the caller's autocast."""
+    with contextlib.ExitStack() as stack:
+        for device_type in dict.fromkeys((kind, "cpu")):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        if autocast is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=autocast[1]))
+        yield
+
+
 @dataclass
 class _Compiled:
     """One compiled program with its executor (a model may have several: new shapes,
@@ -49,6 +64,7 @@ class _Compiled:
     executor: Executor
     training: tuple[bool, ...]
     analysis: Analysis
+    autocast: tuple[str, torch.dtype] | None  # the callers' autocast when traced
     by_cap: dict[int | None, tuple[StagePlan, Executor]] = field(default_factory=dict)
 
 
@@ -214,9 +230,10 @@ class RoundPipe:
                       full_args: tuple[Any, ...], full_kwargs: dict[str, Any],
                       cfg: ResolvedRunConfig) -> _Compiled:
         training = self._training_flags()
+        autocast = self._autocast()
         cap = self._memory_cap(cfg)
         for entry in self._compiled:
-            if entry.training == training and all(
+            if entry.training == training and entry.autocast == autocast and all(
                     matches(entry.plan.program.inputs, a, k) for a, k in mbs):
                 self._use_cap(entry, cap, cfg)
                 self._current = entry
@@ -229,8 +246,7 @@ class RoundPipe:
         if self._compiled:
             log.info("roundpipe: recompiling %s for a new input signature or mode",
                      type(self.model).__name__)
-        kind = self.devices[0].torch_device.type
-        with torch.autocast(kind, enabled=False):  # programs are traced without autocast
+        with _tracing_autocast(self.devices[0].torch_device.type, autocast):
             analysis = analyze(self.model, example[0], example[1],
                                cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
                                device_model=self.device_model,
@@ -259,7 +275,7 @@ class RoundPipe:
         if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
             pin_host_state(self._state, host, self.pin_memory)
         executor = Executor(plan, host, self.devices, self._landing, self.compile_units)
-        entry = _Compiled(plan, host, executor, training, analysis)
+        entry = _Compiled(plan, host, executor, training, analysis, autocast)
         entry.by_cap[cap] = (entry.plan, entry.executor)
         self._compiled.append(entry)
         self._current = entry

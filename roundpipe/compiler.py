@@ -76,7 +76,8 @@ def analyze(
     program = generate_unit_programs(traced, layers)
     # 3. cost: FLOPs and bytes per unit on fake tensors, liveness across every cut.
     report = estimate_costs(traced, layers, program, device_model, scale=cost_scale)
-    return Analysis(program, layers.units, report, traced.notes, traced.leaves)
+    return Analysis(program, layers.units, report, traced.notes + layers.notes,
+                    traced.leaves)
 
 
 def compile_model(

@@ -123,10 +123,12 @@ def _python_callable(path: str) -> Callable[..., Any]:
 
 
 def seeded(op: str, key: RngKey | None, unit: int, ordinal: int,
-           device: torch.device, *args: Any, **kwargs: Any) -> Any:
+           device: torch.device, /, *args: Any, **kwargs: Any) -> Any:
     """Call random op ``op`` (see :func:`resolve_op`), which takes no generator argument,
     with the device's default generator seeded from the key and restored afterwards.
 
+    The leading arguments are positional-only: the op's own keywords (a factory's
+    ``device=``, ``dtype=``) pass through ``kwargs`` whatever their names.
     Virtual CPU devices share the CPU default generator, hence the lock.
     """
     fn = resolve_op(op)

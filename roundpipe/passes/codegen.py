@@ -28,9 +28,10 @@ import torch.fx
 from torch.fx.node import map_aggregate
 
 from ..plan import ModelProgram, StateSpec, UnitProgram
-from ..ops import rng
+from ..ops import modes, rng
 from ..ops.modcall import call_module_functional
 from .layers import LayerAssignment
+from .mode_regions import MODES, Region
 from .trace import MUTATES, TracedGraph
 
 _DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
@@ -109,6 +110,11 @@ def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.
                     or (n.target is call_module_functional
                         and _may_be_random(_get_module(traced, n)))
                     for n in nodes)
+    # An autocast region the model opened for the device it was traced on follows the
+    # program to the device it runs on.
+    needs_device = needs_device or any(
+        r.kind == "autocast" and r.args[0] == trace_device.type
+        for n in nodes for r in n.meta.get(MODES, ()))
     needs_device = needs_device or (needs_rng and any(
         (_is_random(n) and n.target not in (torch.ops.aten.dropout.default,
                                                    torch.ops.aten.native_dropout.default))
@@ -129,9 +135,11 @@ def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.
 
     ordinal = 0
     mutated: list[str] = []
+    regions = _RegionEmitter(g, device_ph, trace_device)
     for node in nodes:
         if node.target in _DROPPED:
             continue
+        regions.move_to(node.meta.get(MODES, ()))
         mutated.extend(m for m in node.meta.get(MUTATES, ()) if m not in mutated)
         args = map_aggregate(node.args, lambda a: env[a] if isinstance(a, torch.fx.Node)
                              else rewrite_device(a))
@@ -149,6 +157,7 @@ def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.
             new = g.create_node(node.op, node.target, args, kwargs, name=node.name)
         new.meta = dict(node.meta)
         env[node] = new
+    regions.move_to(())  # a region never outlives its unit: the next may run elsewhere
     g.output(tuple(env[n] for n in outputs))
     module = torch.fx.GraphModule(traced.graph_module, g, class_name=f"Unit{index}")
     return UnitProgram(
@@ -162,6 +171,38 @@ def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.
         needs_device=needs_device,
         needs_rng=needs_rng,
     )
+
+
+class _RegionEmitter:
+    """Emits the enter/exit calls that put each node of a unit program in the grad-mode and
+    autocast regions it ran in when traced (``meta[MODES]``, outermost first)."""
+
+    def __init__(self, g: torch.fx.Graph, device_ph: torch.fx.Node | None,
+                 trace_device: torch.device) -> None:
+        self.g = g
+        self.device_ph = device_ph
+        self.trace_device = trace_device
+        self.open: list[tuple[Region, torch.fx.Node]] = []
+
+    def move_to(self, wanted: tuple[Region, ...]) -> None:
+        common = 0
+        while (common < len(self.open) and common < len(wanted)
+               and self.open[common][0] == wanted[common]):
+            common += 1
+        while len(self.open) > common:
+            region, token = self.open.pop()
+            self.g.call_function(modes.exit_grad_mode if region.kind == "grad"
+                                 else modes.exit_autocast, (token,))
+        for region in wanted[common:]:
+            if region.kind == "grad":
+                token = self.g.call_function(modes.enter_grad_mode, region.args)
+            else:
+                device_type, *rest = region.args
+                device: Any = device_type
+                if device_type == self.trace_device.type and self.device_ph is not None:
+                    device = self.device_ph
+                token = self.g.call_function(modes.enter_autocast, (device, *rest))
+            self.open.append((region, token))
 
 
 def _random_call(g: torch.fx.Graph, node: torch.fx.Node, args: tuple, kwargs: dict,

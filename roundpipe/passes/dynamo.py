@@ -52,6 +52,7 @@ import torch.utils._pytree as pytree
 from ..plan import InputSignature, OutputRef, StateSpec
 from .codegen import RANDOM
 from .layers import WRITES
+from .mode_regions import mark_mode_regions
 from .trace import MODULE_PATH, MUTATES, TracedGraph
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,9 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> DynamoGr
     for node in graph.nodes:
         if is_random(node):
             node.meta[RANDOM] = True
-    _keep_modes_in_one_unit(graph)
+    # no_grad / autocast blocks: each node is marked with its regions, which every unit
+    # program enters and leaves itself (so a region never forces two units together).
+    mark_mode_regions(graph, initial_grad=_initial_grad_mode(graph))
 
     # --- outputs ----------------------------------------------------------------------------
     out_node = next(n for n in graph.nodes if n.op == "output")
@@ -514,48 +517,12 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
 
 # --- grad mode and autocast regions -----------------------------------------------------------
 
-_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
-_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
-
-
-def _keep_modes_in_one_unit(graph: torch.fx.Graph) -> None:
-    """``with torch.no_grad()`` / ``torch.autocast`` inside the model become
-    ``_set_grad_enabled`` / ``_enter_autocast`` ... ``_exit_autocast`` calls.  The state
-    they set is per thread and units run on different devices' threads, so a region must
-    not straddle units: the call that leaves a region is marked as writing the call that
-    entered it (the layers pass then keeps both in one unit), and the entering call takes
-    the module path of what follows it, so it joins that unit rather than the one before.
-    """
-    openers: list[torch.fx.Node] = []
-    grad_calls = [n for n in graph.nodes
-                  if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
-    if grad_calls:
-        # Dynamo emits a call only when the mode changes: the first sets the opposite
-        # of the mode the graph starts in.  A region runs from leaving that mode to
-        # coming back to it.
-        initial = not bool(grad_calls[0].args[0])
-        opener: torch.fx.Node | None = None
-        for node in grad_calls:
-            value = bool(node.args[0])
-            if value != initial and opener is None:
-                opener = node
-                openers.append(node)
-            elif value == initial and opener is not None:
-                node.meta[WRITES] = tuple(node.meta.get(WRITES, ())) + (opener,)
-                opener = None
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is _ENTER_AUTOCAST:
-            openers.append(node)
-        elif node.op == "call_function" and node.target is _EXIT_AUTOCAST:
-            enter = node.args[0] if node.args else None
-            if isinstance(enter, torch.fx.Node):
-                node.meta[WRITES] = tuple(node.meta.get(WRITES, ())) + (enter,)
-    for node in openers:
-        nxt = node.next
-        while nxt.op != "output" and not nxt.meta.get(MODULE_PATH):
-            nxt = nxt.next
-        if nxt.op != "output":
-            node.meta[MODULE_PATH] = nxt.meta[MODULE_PATH]
+def _initial_grad_mode(graph: torch.fx.Graph) -> bool:
+    """The grad mode a Dynamo graph starts in: Dynamo emits ``_set_grad_enabled`` only when
+    the mode changes, so the first call sets the opposite of the starting mode."""
+    first = next((n for n in graph.nodes
+                  if n.op == "call_function" and n.target is torch._C._set_grad_enabled), None)
+    return True if first is None else not bool(first.args[0])
 
 
 # --- random calls ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ Writes ``node.meta["roundpipe.unit"]`` and returns a :class:`LayerAssignment`.
 
 from __future__ import annotations
 
+import logging
 import operator
 import re
 from dataclasses import dataclass
@@ -33,7 +34,10 @@ import torch
 import torch.fx
 
 from ..plan import LayerUnit
-from .trace import MODULE_PATH, TracedGraph, alias_root, normalize_module_path
+from .trace import (HIDDEN_WRITES, MODULE_PATH, MUTATES as MUTATES_KEY, TracedGraph,
+                    alias_root, normalize_module_path)
+
+log = logging.getLogger(__name__)
 
 UNIT = "roundpipe.unit"
 # Values a node writes in place where no schema says so (torch-level IR: Dynamo graphs,
@@ -56,6 +60,7 @@ class LayerAssignment:
 
     units: tuple[LayerUnit, ...]
     node_unit: dict[str, int]
+    notes: tuple[str, ...] = ()  # why units were merged, for the plan's notes
 
 
 def find_unit_roots(model: torch.nn.Module, opaque: Iterable[str] = ()) -> tuple[str, ...]:
@@ -250,6 +255,7 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
         else:
             merged_runs.append((key, list(run_nodes)))
     merged = _merge_cross_unit_writes([(_base(k), n) for k, n in merged_runs])
+    merged, notes = _merge_written_state(merged, traced)
 
     first_block = next((i for i, (k, _) in enumerate(merged) if k in root_set), None)
     last_block = max((i for i, (k, _) in enumerate(merged) if k in root_set), default=None)
@@ -277,7 +283,7 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
         for node in run_nodes:
             node.meta[UNIT] = index
             node_unit[node.name] = index
-    return LayerAssignment(units=tuple(units), node_unit=node_unit)
+    return LayerAssignment(units=tuple(units), node_unit=node_unit, notes=notes)
 
 
 def _base(key: tuple[str, int] | None) -> str | None:
@@ -318,6 +324,98 @@ def parallel_containers(traced: TracedGraph, layers: LayerAssignment) -> frozens
                 parallel.add(parent)
                 break
     return frozenset(parallel)
+
+
+def _merge_written_state(
+    runs: list[tuple[str | None, list[torch.fx.Node]]], traced: TracedGraph
+) -> tuple[list[tuple[str | None, list[torch.fx.Node]]], tuple[str, ...]]:
+    """Merge the units from the first to the last that reads or writes a piece of state
+    written during the forward (a counter or a running average one module keeps for
+    several blocks, a buffer reassigned in one block and read in another).
+
+    Eager PyTorch runs every unit on microbatch 0, then every unit on microbatch 1; a
+    pipeline runs a job's units on every microbatch before the next job starts.  The two
+    orders give the same state only when each piece of state is touched by one unit (jobs
+    never split a unit), so a unit that read such state from another job would see it a
+    microbatch late, and the jobs' copies of it would overwrite each other's writes.
+    """
+    state = {s.name for s in traced.state}
+    run_of = {n: i for i, (_, ns) in enumerate(runs) for n in ns}
+    placeholders = {n.name: n for n in traced.graph_module.graph.nodes
+                    if n.op == "placeholder" and n.name in state}
+    written: set[torch.fx.Node] = set()
+    for node in run_of:
+        for value in _written_by(node, placeholders):
+            root = _state_root(value)
+            if root.op == "placeholder" and root.name in state:
+                written.add(root)
+    by_value = {n.name: n for n in run_of}
+    for slot, value in traced.buffer_updates:  # reassigned: the writer is the new value's
+        if slot in placeholders and value in by_value:
+            written.add(placeholders[slot])
+    if not written:
+        return runs, ()
+    span: dict[torch.fx.Node, list[int]] = {}
+    for node, i in run_of.items():
+        touched = [_state_root(a) for a in node.all_input_nodes]
+        touched += [placeholders[slot] for slot, value in traced.buffer_updates
+                    if value == node.name and slot in placeholders]
+        for root in touched:
+            if root in written:
+                lo_hi = span.setdefault(root, [i, i])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], i), max(lo_hi[1], i)
+    join_previous = [False] * len(runs)
+    fqn = {s.name: s.fqn for s in traced.state}
+    notes = []
+    for root, (lo, hi) in span.items():
+        for k in range(lo + 1, hi + 1):
+            join_previous[k] = True
+        if hi > lo:
+            notes.append(f"layers: {runs[lo][0] or 'model'} .. {runs[hi][0] or 'model'} are "
+                         f"one unit: they all read or write {fqn[root.name]}, which the "
+                         "forward updates (its updates must keep eager's order)")
+    out: list[tuple[str | None, list[torch.fx.Node]]] = []
+    for i, (key, run_nodes) in enumerate(runs):
+        if join_previous[i] and out:
+            out[-1] = (out[-1][0], out[-1][1] + list(run_nodes))
+        else:
+            out.append((key, list(run_nodes)))
+    if notes:
+        log.info("roundpipe: %s", "; ".join(notes))
+    return out, tuple(notes)
+
+
+def _written_by(node: torch.fx.Node, placeholders: dict[str, torch.fx.Node]
+                ) -> list[torch.fx.Node]:
+    """The values ``node`` writes in place, in either IR (ATen schemas, export's hidden
+    writes, opaque module calls; torch-level calls of Dynamo graphs and the torch.fx
+    fallback)."""
+    found = list(node.meta.get(WRITES, ()))
+    found += [placeholders[m] for m in node.meta.get(MUTATES_KEY, ()) if m in placeholders]
+    schema = getattr(node.target, "_schema", None)
+    if node.op == "call_function" and schema is not None:
+        for j, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = node.args[j] if j < len(node.args) else node.kwargs.get(arg.name)
+                if isinstance(value, torch.fx.Node):
+                    found.append(value)
+        hidden = HIDDEN_WRITES.get(node.target)
+        if hidden is not None:
+            found.extend(v for v in hidden(node) if isinstance(v, torch.fx.Node))
+    elif node.op == "call_method" or node.op == "call_function":
+        from .dynamo import written_values  # passes/dynamo.py imports this module
+        found.extend(written_values(node))
+    return found
+
+
+def _state_root(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow aliases (views, in-place results) back to the base value, in either IR."""
+    from .dynamo import alias_root as torch_alias_root  # passes/dynamo.py imports us
+    while True:
+        root = torch_alias_root(alias_root(node))
+        if root is node:
+            return node
+        node = root
 
 
 def _merge_cross_unit_writes(

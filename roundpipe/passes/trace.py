@@ -52,6 +52,8 @@ from .custom_backward import CustomBackwardFunction, refuse_custom_backward
 from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
+from .mode_regions import (export_keeps_mode_calls, inference_mode_as_no_grad,
+                           inline_mode_regions, mark_mode_regions)
 from .shared_blocks import (SharingFailed, add_hidden_state, repeated_groups, shared_blocks,
                             splice_blocks)
 
@@ -300,6 +302,11 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     finally:
         hook.remove()
         _clear_dim_markers((args, kwargs))
+    # no_grad / autocast blocks become marked nodes of the flat graph (their writes to
+    # buffers and their random ops are then seen like any other).  Export runs with grad
+    # enabled (refuse_custom_backward).
+    inline_mode_regions(gm)
+    mark_mode_regions(graph, initial_grad=True)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
 
     # State slots, deduplicated by tensor identity (tied weights keep one placeholder).
@@ -474,7 +481,8 @@ def _quiet_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     try:
         # Stack traces cost a tenth of export's time and nothing here reads them.
         with contextlib.redirect_stderr(captured), _no_stack_traces(), \
-                refuse_custom_backward():
+                refuse_custom_backward(), inference_mode_as_no_grad(), \
+                export_keeps_mode_calls():
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                        strict=False)
     except BaseException as e:
@@ -594,7 +602,7 @@ def normalize_module_path(path: str) -> str:
 
 
 # Ops whose schema hides an in-place write (CompositeImplicit ops with running stats).
-_HIDDEN_WRITES: dict[Any, Callable[[torch.fx.Node], tuple[Any, ...]]] = {
+HIDDEN_WRITES: dict[Any, Callable[[torch.fx.Node], tuple[Any, ...]]] = {
     torch.ops.aten.batch_norm.default:
         lambda n: (n.args[3], n.args[4]) if _arg(n, 5, "training", False) else (),
     torch.ops.aten.instance_norm.default:
@@ -614,7 +622,7 @@ def _mark_state_mutations(graph: torch.fx.Graph, buffers: set[str]) -> None:
         if node.op != "call_function":
             continue
         written: list[Any] = []
-        hidden = _HIDDEN_WRITES.get(node.target)
+        hidden = HIDDEN_WRITES.get(node.target)
         if hidden is not None:
             written.extend(hidden(node))
         schema = getattr(node.target, "_schema", None)

@@ -44,7 +44,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import LossError, OutOfMemoryError, RoundPipeError, StageError
 from ..plan import StagePlan, UnitProgram
-from ..ops import rng
+from ..ops import modes, rng
 from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer
 from .grad_flow import live_nodes
 from .grad_landing import GradLanding
@@ -120,6 +120,15 @@ class Job:
     skip: bool = False              # a backward job through which no gradient flows
 
 
+class Stash(list):
+    """What :meth:`Executor.forward` keeps for the backward: per microbatch, the values
+    the backward reads; and ``state``, the buffers the forward updates as they were before
+    it (its updates are committed when it ends), so the recompute replays the forward's
+    updates from the same start and reads what the forward read."""
+
+    state: dict[str, torch.Tensor]
+
+
 @dataclass
 class RunResult:
     """What a call produced; committed by the caller once the optimizer allows it."""
@@ -130,7 +139,7 @@ class RunResult:
     buffers: dict[str, torch.Tensor]
     input_grads: list[dict[str, torch.Tensor]] | None
     stats: RunStats
-    stash: list[dict[str, Any]] | None = None
+    stash: Stash | None = None
     # The slots whose param_grads are fresh tensors in the masters' dtype that the commit
     # may keep as .grad; the others are reused download (or reduction) buffers.
     grads_owned: frozenset[str] = frozenset()
@@ -177,6 +186,9 @@ class _Call:
     # once it landed (GradLanding); replaces param_grads when the call succeeds.
     converted: dict[tuple[str, int], Future] = field(default_factory=dict)
     steps: list[Future] = field(default_factory=list)  # optimizer steps pending at start
+    # Slot -> the tensor uploaded instead of the host's (a backward's buffers as they were
+    # before its forward, see Stash).
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
     t0: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -211,6 +223,15 @@ class Executor:
         self.compile_backend = compile_backend
         self._runnables: dict[tuple[int, str], Callable[..., Any]] = {}
         self._runnables_lock = threading.Lock()
+        # Buffers the forward writes (in place or reassigned).
+        self._written_state = tuple(dict.fromkeys(
+            [s for u in self.units for s in u.mutated_state]
+            + [slot for slot, _ in self.program.buffer_updates]))
+        # Units that enter grad-mode / autocast regions (restored if they fail inside one).
+        self.with_regions = frozenset(u.index for u in self.units
+                                      if modes.uses_regions(u.module))
+        self.region_device_types = tuple(dict.fromkeys(
+            ["cpu"] + [d.torch_device.type for d in self.devices]))
 
     # --- public entry points -------------------------------------------------------------
     def train(self, inputs: list[dict[str, Any]], labels: list[Any], loss_fn: Callable,
@@ -245,12 +266,15 @@ class Executor:
         call = self._new_call("forward", inputs, [None] * len(inputs), None, grain, True, keys,
                               fence_version, record=record, autocast=autocast)
         self._wire(jobs, call, stash_for_backward=record)
+        before = {slot: self.host.tensors[slot].clone() for slot in self._written_state
+                  } if record else {}
         result = self._run(jobs, call)
         if record:
-            result.stash = call.store
+            result.stash = Stash(call.store)
+            result.stash.state = before
         return result
 
-    def backward(self, stash: list[dict[str, Any]], output_grads: list[dict[str, Any]], *,
+    def backward(self, stash: Stash | list[dict[str, Any]], output_grads: list[dict[str, Any]], *,
                  grain: str, keys: list[RngKey | None], fence_version: int,
                  autocast: tuple[str, torch.dtype] | None = None,
                  on_grads: Callable[..., None] | None = None) -> RunResult:
@@ -263,6 +287,7 @@ class Executor:
         call = self._new_call("backward", [dict(s) for s in stash], [None] * len(stash), None,
                               grain, False, keys, fence_version, record=True,
                               autocast=autocast)
+        call.state = dict(getattr(stash, "state", {}))
         call.on_grads = on_grads
         for mb, grads in enumerate(output_grads):
             call.grads[mb].update(grads)
@@ -533,7 +558,7 @@ class Executor:
 
         call.load_requested[job.index] = time.perf_counter() - call.t0
         call.weights[job.index] = device.load_weights(
-            {slot: host.tensors[slot] for slot in job.slots}, before)
+            {slot: call.state.get(slot, host.tensors[slot]) for slot in job.slots}, before)
 
     def _wait_for(self, call: _Call, job: Job, mb: int) -> None:
         if job.index == 0:
@@ -854,9 +879,12 @@ class _JobRunner:
             extra.append(self.device.torch_device)
         if unit.needs_rng:
             extra.append(self.call.keys[mb])
+        run = self.ex.runnable(unit, self.device.torch_device)
+        if unit.index in self.ex.with_regions:
+            with self._autocast(), modes.left_on_error(self.ex.region_device_types):
+                return run(*args, *self._state_args(unit), *extra)
         with self._autocast():
-            return self.ex.runnable(unit, self.device.torch_device)(
-                *args, *self._state_args(unit), *extra)
+            return run(*args, *self._state_args(unit), *extra)
 
     def _apply_buffer_updates(self, unit: UnitProgram, values: dict[str, Any]) -> None:
         # Reassigned buffers: the next microbatch of this job reads the new value.
