@@ -391,3 +391,40 @@ def test_pipelined_forward_then_backward_recomputes_from_the_forwards_buffers(
                                            msg=f"call {call}: {name}")
             for (name, b), (_, rb) in zip(model.named_buffers(), eager.named_buffers()):
                 torch.testing.assert_close(b, rb, rtol=1e-10, atol=1e-12, msg=name)
+
+
+# --- the torch.fx fallback -------------------------------------------------------------------
+
+class NoGradGlue(nn.Module):
+    """no_grad in the model's own glue code (fx keeps the Linear blocks opaque)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 1)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.blocks:
+            x = torch.tanh(layer(x))
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(x.mean(0))
+                doubled = x * 2
+            x = x + doubled + self.ema
+        return self.head(x)
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_fx_fallback_sees_no_grad_in_glue(devices: int, monkeypatch) -> None:
+    from roundpipe.passes import trace as trace_pass
+
+    def export_fails(*args, **kwargs):
+        raise RuntimeError("export is made to fail: this test runs the torch.fx fallback")
+
+    monkeypatch.setattr(trace_pass, "_trace_export_sharing", export_fails)
+    torch.manual_seed(0)
+    model = NoGradGlue().double()
+    with RoundPipe(copy.deepcopy(model), devices=["cpu"]) as pipe:
+        assert pipe.compile((torch.randn(6, 8, dtype=torch.double),)).program.trace_method \
+            == "fx"
+    _train_and_compare(model, torch.randn(6, 8, dtype=torch.double), devices)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import operator
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -207,6 +208,27 @@ _EXPORT_WRAPPING_PASSES = (
 
 def _keep_graph(gm: Any, signature: Any) -> tuple[Any, Any]:
     return gm, signature
+
+
+@contextlib.contextmanager
+def fx_records_grad_mode(tracer: torch.fx.Tracer) -> Iterator[None]:
+    """While ``tracer`` traces a model on this thread, record the model's grad-mode
+    changes (``torch.no_grad()`` and friends, which fx runs but does not see) as
+    ``torch._C._set_grad_enabled`` calls in its graph, for :func:`mark_mode_regions`."""
+    original = torch._C._set_grad_enabled
+    tracing_thread = threading.get_ident()
+
+    def recording(mode: bool) -> None:
+        graph = getattr(tracer, "graph", None)
+        if threading.get_ident() == tracing_thread and graph is not None:
+            graph.call_function(original, (bool(mode),))
+        original(mode)
+
+    torch._C._set_grad_enabled = recording
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = original
 
 
 @contextlib.contextmanager

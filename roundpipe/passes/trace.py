@@ -52,8 +52,8 @@ from .custom_backward import CustomBackwardFunction, refuse_custom_backward
 from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
-from .mode_regions import (export_keeps_mode_calls, inference_mode_as_no_grad,
-                           inline_mode_regions, mark_mode_regions)
+from .mode_regions import (export_keeps_mode_calls, fx_records_grad_mode,
+                           inference_mode_as_no_grad, inline_mode_regions, mark_mode_regions)
 from .shared_blocks import (SharingFailed, add_hidden_state, repeated_groups, shared_blocks,
                             splice_blocks)
 
@@ -679,7 +679,10 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     values = {p.name: bound.arguments.get(p.name, p.default) for p in params}
     concrete = {name: v for name, v in values.items() if not isinstance(v, torch.Tensor)}
     tracer = _LeafTracer(leaves)
-    graph = tracer.trace(model, concrete_args=concrete)
+    initial_grad = torch.is_grad_enabled()
+    with fx_records_grad_mode(tracer), inference_mode_as_no_grad():
+        graph = tracer.trace(model, concrete_args=concrete)
+    mark_mode_regions(graph, initial_grad=initial_grad)
     gm = torch.fx.GraphModule(model, graph)
     graph = gm.graph
 
