@@ -428,3 +428,43 @@ def test_fx_fallback_sees_no_grad_in_glue(devices: int, monkeypatch) -> None:
         assert pipe.compile((torch.randn(6, 8, dtype=torch.double),)).program.trace_method \
             == "fx"
     _train_and_compare(model, torch.randn(6, 8, dtype=torch.double), devices)
+
+
+# --- writes the trace cannot see ------------------------------------------------------------
+
+class CountingLeaf(nn.Module):
+    """Counts its calls in eval mode too (an opaque module's writes are only assumed in
+    training mode, like BatchNorm's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return torch.tanh(self.lin(x))
+
+
+class LeafNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CountingLeaf() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_writes_of_opaque_modules_in_eval_mode_are_committed(devices: int, caplog) -> None:
+    torch.manual_seed(0)
+    model = LeafNet().double().eval()
+    x = torch.randn(6, 8, dtype=torch.double)
+    with RoundPipe(model, devices=["cpu"] * devices, leaf_modules=[CountingLeaf],
+                   model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB)) as pipe:
+        with torch.no_grad():
+            for _ in range(2):
+                pipe(x)
+    assert [int(b.calls) for b in model.blocks] == [2 * NUM_MB] * 3

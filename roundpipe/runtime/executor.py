@@ -684,6 +684,7 @@ class _JobRunner:
         self.hand_over_errors: list[BaseException] = []
         self.units_by_index = {u.index: u for u in self.units}
         self.skip = job.skip
+        self.versions: dict[str, int] = {}  # buffer slot -> version when uploaded
 
     # --- state -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -698,6 +699,10 @@ class _JobRunner:
             ex._start_load(call, self.job)
         self.weights = call.weights.pop(self.job.index)
         self.state = dict(self.weights.result())
+        # In-place writes bump a tensor's version: finish() commits any buffer the
+        # programs wrote that the trace did not show (an opaque module's own code).
+        self.versions = {slot: t._version for slot, t in self.state.items()
+                         if ex.host.specs[slot].kind == "buffer"}
         if self.job.kind in ("fused", "bwd"):
             users: dict[str, int] = {}
             for unit in self.units:
@@ -805,6 +810,11 @@ class _JobRunner:
             mutated = {s for u in self.units for s in u.mutated_state}
             mutated.update(slot for v, slot in self.ex._buffer_update.items()
                            if v in self.produced_here)
+            unseen = sorted(slot for slot, version in self.versions.items()
+                            if slot not in mutated and self.state[slot]._version != version)
+            if unseen:
+                _warn_unseen_writes(self.ex, unseen)
+                mutated.update(unseen)
             for slot in mutated:
                 staged_buffers[slot] = self.device.download(self.state[slot], "buffers")
         self.device.wait_downloads()  # the hand-over callbacks have run by now
@@ -1085,6 +1095,22 @@ class _JobRunner:
         # reading them now would wait for the GPU.
         with self.call.lock:
             self.call.timings.append((table, shares, self.device, start, self.device.mark()))
+
+
+def _warn_unseen_writes(ex: Executor, slots: list[str]) -> None:
+    names = [ex.host.specs[s].fqn for s in slots]
+    key = tuple(names)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    log.warning(
+        "roundpipe: the forward wrote buffer(s) %s in place although the trace did not show "
+        "it (code roundpipe runs opaquely, e.g. a leaf module in eval mode); the writes are "
+        "committed, but if another layer reads or writes the same buffer its updates may "
+        "depend on where the stages fall", ", ".join(names))
+
+
+_WARNED: set[tuple[str, ...]] = set()
 
 
 def _check_loss(loss: Any, mb: int) -> None:
