@@ -117,6 +117,29 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# --- layouts ------------------------------------------------------------------------------
+# A value's strides must not depend on whether it crossed a device: kernels round
+# differently on permuted or channels-last inputs than on contiguous ones, and where the
+# stage boundaries fall depends on the device count.  Transfers keep a dense tensor's
+# strides; values that are not dense (expanded, overlapping, or views with gaps) cannot
+# be copied as they are, so the executor makes every value passed between layer units
+# dense, crossing or not (:func:`dense`).
+
+def copy_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a copy of ``tensor``: its own where it is non-overlapping and dense
+    (permuted, channels-last), contiguous otherwise (what ``clone()`` does)."""
+    if tensor.is_contiguous():
+        return tensor.stride()
+    return torch.empty_like(tensor, device="meta").stride()
+
+
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when a copy keeps its strides, else a dense copy of it."""
+    if tensor.is_contiguous() or tensor.stride() == copy_strides(tensor):
+        return tensor
+    return tensor.clone()
+
+
 class Device:
     """A worker device.  Subclasses implement the copies; threads and accounting are
     shared."""
@@ -282,6 +305,12 @@ class Device:
         return f"{type(self).__name__}({self.name})"
 
 
+def _fits(out: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    """Whether a reused download buffer receives ``tensor`` with its layout."""
+    return (out is not None and out.shape == tensor.shape and out.dtype == tensor.dtype
+            and out.stride() == tensor.stride())
+
+
 class VirtualCPUDevice(Device):
     """A CPU "device" with its own threads and its own copies of uploaded tensors."""
 
@@ -294,16 +323,16 @@ class VirtualCPUDevice(Device):
         nbytes = _nbytes(tensor)
         self._account_upload(nbytes, category)
         try:
-            return tensor.detach().clone(memory_format=torch.contiguous_format)
+            return tensor.detach().clone()  # keeps a dense tensor's strides
         except BaseException:
             self.release(nbytes, category)  # the copy never existed
             raise
 
     def download(self, tensor: torch.Tensor, category: str = "activations",
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        tensor = tensor.detach()
-        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
-            out = torch.empty(tensor.shape, dtype=tensor.dtype)
+        tensor = dense(tensor.detach())
+        if not _fits(out, tensor):
+            out = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
         self._account_download(_nbytes(out), category)
         # Copied on the waiter thread, like a copy on a CUDA download stream: the host
         # tensor is filled only once an after_downloads() future issued after it completes.
@@ -374,7 +403,8 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
 
     def _cuda_copy(self, src: torch.Tensor, category: str, stream: Any) -> torch.Tensor:
         with torch.cuda.stream(stream):
-            dst = torch.empty(src.shape, dtype=src.dtype, device=self.torch_device)
+            dst = torch.empty_strided(src.shape, copy_strides(src), dtype=src.dtype,
+                                      device=self.torch_device)
             step = max(1, self.chunk_bytes // max(1, src.element_size()))
             if category == "weights" and src.numel() > step and src.is_contiguous():
                 flat_src, flat_dst = src.view(-1), dst.view(-1)
@@ -401,12 +431,13 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
 
     def download(self, tensor: torch.Tensor, category: str = "activations",
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        tensor = tensor.detach()
+        tensor = dense(tensor.detach())
         stream = self._streams["download"]
         stream.wait_stream(torch.cuda.current_stream(self.torch_device))
         with torch.cuda.stream(stream):
-            if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
-                out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            if not _fits(out, tensor):
+                out = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                          pin_memory=True)
             out.copy_(tensor, non_blocking=True)
             tensor.record_stream(stream)  # not reused by compute before the copy is done
         self._account_download(_nbytes(out), category)

@@ -45,7 +45,7 @@ import torch.utils._pytree as pytree
 from ..errors import LossError, OutOfMemoryError, RoundPipeError, StageError
 from ..plan import StagePlan, UnitProgram
 from ..ops import modes, rng
-from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer
+from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer, dense
 from .grad_flow import live_nodes
 from .grad_landing import GradLanding
 from .host_state import HostState
@@ -703,6 +703,14 @@ class _JobRunner:
         # programs wrote that the trace did not show (an opaque module's own code).
         self.versions = {slot: t._version for slot, t in self.state.items()
                          if ex.host.specs[slot].kind == "buffer"}
+        if self.job.kind == "fwd":
+            # A unit computes with the same autograd-visible inputs wherever it runs: some
+            # kernels branch on requires_grad even under no_grad (CPU aten.lstm), and a
+            # unit moves between forward, fused and recomputing jobs as the device count
+            # moves the stage boundaries.  (Under no_grad the flags build no graph.)
+            for slot, t in self.state.items():
+                if slot in call.carries and ex.host.trainable(slot):
+                    t.requires_grad_(True)
         if self.job.kind in ("fused", "bwd"):
             users: dict[str, int] = {}
             for unit in self.units:
@@ -892,9 +900,13 @@ class _JobRunner:
         run = self.ex.runnable(unit, self.device.torch_device)
         if unit.index in self.ex.with_regions:
             with self._autocast(), modes.left_on_error(self.ex.region_device_types):
-                return run(*args, *self._state_args(unit), *extra)
-        with self._autocast():
-            return run(*args, *self._state_args(unit), *extra)
+                outs = run(*args, *self._state_args(unit), *extra)
+        else:
+            with self._autocast():
+                outs = run(*args, *self._state_args(unit), *extra)
+        # Every value leaves its unit with the layout a transfer would give it, whether or
+        # not a stage boundary follows (see devices.dense).
+        return tuple(dense(o) if isinstance(o, torch.Tensor) else o for o in outs)
 
     def _apply_buffer_updates(self, unit: UnitProgram, values: dict[str, Any]) -> None:
         # Reassigned buffers: the next microbatch of this job reads the new value.
@@ -925,7 +937,9 @@ class _JobRunner:
         with torch.no_grad():
             for unit in self.units:
                 t = self.device.mark()
-                args = [values[v] if v in values else self._host_value(mb, v, values)
+                # inputs flagged as the fused and recomputing jobs flag them (see setup)
+                args = [self._leaf(values[v] if v in values
+                                   else self._host_value(mb, v, values), v)
                         for v in unit.inputs]
                 outs = self._call_unit(unit, args, mb)
                 values.update(zip(unit.outputs, outs))
