@@ -9,6 +9,8 @@ import inspect
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 import models
@@ -456,3 +458,49 @@ def test_a_data_dependent_float_reaches_an_opaque_module_as_a_value():
     # only the module that branches is opaque; the float reached it through the graph
     assert pipe.plan.notes[-1].endswith("_ScaleAttn at blocks.0.attn and 2 more")
     pipe.close()
+
+
+# --- concurrent calls of one opaque module ----------------------------------------------------
+
+class _Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+        self.norm = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.tanh(self.body(x))))
+
+
+def test_leaf_modules_run_concurrently_never_touch_the_model():
+    """Four devices run the same opaque module at once (functional_call used to swap the
+    shared module's parameters in place: the model ended up holding device copies, and
+    gradients went missing silently)."""
+    torch.manual_seed(0)
+    model = _Body().double()
+    eager = copy.deepcopy(model)
+    originals = {name: p for name, p in model.named_parameters()}
+    buffers = {name: b for name, b in model.named_buffers()}
+    x = torch.randn(32, 16, dtype=torch.double)
+    y = torch.randn(32, 1, dtype=torch.double)
+    with RoundPipe(model, devices=["cpu"] * 4, leaf_modules=["body", "norm"], optim_dtype=None,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=8)) as pipe:
+        for call in range(50):
+            for p in pipe.optim_parameters():
+                p.grad = None
+            eager.zero_grad()
+            loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+            ref = reference.eager_forward_backward(eager, (x,), {}, y, F.mse_loss, 8)
+            assert dict(model.named_parameters()) == originals, call
+            assert all(a is b for a, b in zip(model.parameters(), originals.values()))
+            assert dict(model.named_buffers()) == buffers, call
+            assert len(pipe.optim_parameters()) == len(originals), call
+            torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+            for name, p in eager.named_parameters():
+                got = originals[name].grad
+                assert got is not None, (call, name)
+                torch.testing.assert_close(got, p.grad, rtol=1e-10, atol=1e-12,
+                                           msg=f"call {call}: {name}")
+            for name, b in eager.named_buffers():  # BatchNorm's running stats, committed
+                torch.testing.assert_close(buffers[name], b, rtol=1e-10, atol=1e-12)

@@ -7,17 +7,64 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.func import functional_call
 
 
 def call_module_functional(module: torch.nn.Module, state: dict[str, torch.Tensor],
                            *args: Any, **kwargs: Any) -> Any:
-    """Run ``module`` with its parameters and buffers replaced by ``state``.
+    """Run ``module`` with its parameters, buffers and tensor attributes replaced by
+    ``state`` (names relative to ``module``).
 
-    The torch.fx fallback keeps layer units opaque; this keeps their state explicit, so the
-    runtime can pass device copies exactly as it does for exported programs.
+    The call runs on a *twin* of the module tree, made for this call: every module copied
+    shallowly, with its own parameter, buffer and submodule tables bound to ``state``.  The
+    module itself is never touched: several devices' threads run the same opaque module at
+    once, each with its own copies of the weights (``torch.func.functional_call`` swaps
+    the tensors of the one shared module in place, and concurrent calls left the model
+    holding device copies), and the user may read the model meanwhile.  Attributes the
+    module's forward sets (caches) stay on the twin.
     """
-    return functional_call(module, dict(state), args, kwargs, tie_weights=False, strict=False)
+    return _twin(module, state)(*args, **kwargs)
+
+
+def _twin(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    twins: dict[int, torch.nn.Module] = {}  # a submodule reached twice is one twin
+    by_path: dict[str, torch.nn.Module] = {}
+
+    def twin_of(m: torch.nn.Module, path: str) -> torch.nn.Module:
+        twin = twins.get(id(m))
+        if twin is None:
+            twin = object.__new__(type(m))
+            attrs = twin.__dict__
+            attrs.update(m.__dict__)
+            # Its own tables: binding state or setting a submodule must not reach ``m``.
+            # (Other attributes are shared, as a call on the module itself would share
+            # them: a list the forward appends to is the module's list.)
+            for table in _TABLES:
+                if table in attrs:
+                    attrs[table] = attrs[table].copy()
+            twins[id(m)] = twin
+            subs = attrs["_modules"]
+            for name, sub in subs.items():
+                if sub is not None:
+                    subs[name] = twin_of(sub, f"{path}{name}.")
+        by_path.setdefault(path, twin)
+        return twin
+
+    root = twin_of(module, "")
+    for name, tensor in state.items():
+        owner_path, _, attr = name.rpartition(".")
+        owner = by_path.get(owner_path + "." if owner_path else "")
+        if owner is None:
+            owner = root.get_submodule(owner_path)
+        if attr in owner._parameters:
+            owner._parameters[attr] = tensor  # type: ignore[assignment]
+        elif attr in owner._buffers:
+            owner._buffers[attr] = tensor
+        else:
+            owner.__dict__[attr] = tensor  # a plain tensor attribute
+    return root
+
+
+_TABLES = ("_parameters", "_buffers", "_modules")
 
 
 def tensor_leaves(output: Any) -> tuple[torch.Tensor, ...]:
