@@ -131,3 +131,49 @@ def test_recompute_replays_the_forwards_draws() -> None:
     product = x * noises[:, 0] * noises[:, 1] * noises[:, 2]
     for i in range(3):
         torch.testing.assert_close(grads[i], product.sum(0), rtol=1e-12, atol=1e-12)
+
+
+class Sampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Linear(8, 8)
+        self.sd = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # argument validation on (the default): data-dependent checks export cannot trace
+        return torch.distributions.Normal(self.mu(x), F.softplus(self.sd(x)) + 0.1).rsample()
+
+
+class OptionalInputNet(nn.Module):
+    """Hugging Face style: an optional argument left at None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Sampler() for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        if extra is not None:
+            x = x + extra
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_distribution_sampling_with_an_optional_none_argument() -> None:
+    """Used to fail: value 'extra_1' was not produced before it was needed (the torch.fx
+    fallback kept a check reading the placeholder of an argument specialised to None)."""
+    torch.manual_seed(0)
+    model = OptionalInputNet().double()
+    x = torch.randn(6, 8, dtype=torch.double)
+    y = torch.randn(6, 1, dtype=torch.double)
+    results = [_run(model, devices, x, y) for devices in (1, 3)]
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+    with RoundPipe(copy.deepcopy(model), devices=["cpu"] * 2) as pipe:
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        # the argument given later: a program of its own, which reads it
+        pipe.forward_backward(input_args=(x, torch.ones_like(x)), label=y, loss_fn=F.mse_loss)
+        assert len(pipe.plans) == 2
+        assert "extra" in pipe.plan.program.inputs.names

@@ -482,7 +482,7 @@ def _quiet_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         # Stack traces cost a tenth of export's time and nothing here reads them.
         with contextlib.redirect_stderr(captured), _no_stack_traces(), \
                 refuse_custom_backward(), inference_mode_as_no_grad(), \
-                export_keeps_mode_calls():
+                export_keeps_mode_calls(), _quiet_logger(_SYMBOLIC_SHAPES_LOG):
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                        strict=False)
     except BaseException as e:
@@ -498,6 +498,23 @@ def _quiet_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
                       partial)
         if text.strip():
             sys.stderr.write(text)
+
+
+# Warns of every data-dependent size it cannot place in user code ("Unable to find user
+# code corresponding to {u0}") when export fails on data-dependent code; a failed attempt
+# is reported once, by roundpipe, with what was tried next.
+_SYMBOLIC_SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 @contextlib.contextmanager
@@ -650,6 +667,9 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
 
 # --- torch.fx fallback -----------------------------------------------------------------
 
+_ASSERT_IS_NONE = getattr(torch.fx._symbolic_trace, "_assert_is_none", None)
+
+
 class _LeafTracer(torch.fx.Tracer):
     """Symbolic tracer that keeps the layer units (and torch's own modules) opaque."""
 
@@ -683,6 +703,11 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     with fx_records_grad_mode(tracer), inference_mode_as_no_grad():
         graph = tracer.trace(model, concrete_args=concrete)
     mark_mode_regions(graph, initial_grad=initial_grad)
+    for node in list(graph.nodes):
+        # fx checks an argument specialised to None with a node reading its placeholder,
+        # which no call feeds; the input signature checks it instead (a const entry).
+        if node.op == "call_function" and node.target is _ASSERT_IS_NONE and not node.users:
+            graph.erase_node(node)
     gm = torch.fx.GraphModule(model, graph)
     graph = gm.graph
 
