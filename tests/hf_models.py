@@ -36,6 +36,13 @@ def config(name: str, **overrides: Any) -> Any:
     elif name == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=64, num_local_experts=4,
                                          num_experts_per_tok=2, num_key_value_heads=2, **common)
+    elif name == "phimoe":  # a custom autograd.Function in its router; random routing
+        cfg = transformers.PhimoeConfig(intermediate_size=64, num_local_experts=4,
+                                        num_experts_per_tok=2, num_key_value_heads=2, **common)
+    elif name == "recurrent_gemma":  # a custom autograd.Function in its recurrent block
+        cfg = transformers.RecurrentGemmaConfig(
+            intermediate_size=64, num_key_value_heads=2, head_dim=8, lru_width=32,
+            attention_window_size=8, block_types=["recurrent", "attention"], **common)
     elif name == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=LAYERS, n_head=4,
                                       n_positions=64, bos_token_id=0, eos_token_id=0)

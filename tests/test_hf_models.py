@@ -240,3 +240,51 @@ def test_untraceable_hf_model_error_names_class_line_and_ways_out() -> None:
     assert "runs in _ClampedLlama.forward itself" in message
     assert "leaf_modules=" in message and "attn_implementation=" in message
     pipe.close()
+
+
+# --- models with custom autograd Functions (regressed once) --------------------------------
+
+def _fresh(name: str, devices: int, dtype: torch.dtype, train: bool = True,
+           **overrides: Any) -> tuple[RoundPipe, torch.nn.Module]:
+    model = hf.build(name, dtype, **overrides).train(train)
+    eager = copy.deepcopy(model)
+    return RoundPipe(model, devices=["cpu"] * devices,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB)), eager
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_recurrent_gemma_matches_eager_in_float64(devices: int) -> None:
+    """Its recurrent block (a custom Function inside: kept opaque) sets attributes while it
+    runs; with several devices running it at once, one call read another's (a tensor
+    whose graph was already freed: "backward through the graph a second time")."""
+    pipe, eager = _fresh("recurrent_gemma", devices, torch.float64)
+    with pipe:
+        inputs, labels = hf.batch("recurrent_gemma")
+        for _ in range(2):
+            _compare(pipe, eager, {**inputs, "labels": labels}, None, hf.inner_loss, 1e-10)
+
+
+def test_phimoe_matches_eager_and_is_device_count_invariant() -> None:
+    """PhiMoE's router is a custom Function (kept opaque) and samples its experts in
+    training mode: eval-mode training steps equal eager in float64 (experts looped in
+    Python: eager float64 has no grouped matmul on the CPU), and training-mode steps are
+    bitwise equal on 1 and 3 devices (the sampling is keyed like dropout)."""
+    overrides = {"_experts_implementation": "eager"}
+    for devices in (1, 3):
+        pipe, eager = _fresh("phimoe", devices, torch.float64, train=False, **overrides)
+        with pipe:
+            inputs, labels = hf.batch("phimoe")
+            _compare(pipe, eager, {**inputs, "labels": labels}, None, hf.inner_loss, 1e-10)
+    pipe, eager = _fresh("phimoe", 3, torch.float32, train=False)  # grouped-matmul experts
+    with pipe:
+        _compare(pipe, eager, {**inputs, "labels": labels}, None, hf.inner_loss, 1e-5)
+    results = []
+    for devices in (1, 3):
+        pipe, _ = _fresh("phimoe", devices, torch.float64, **overrides)
+        with pipe:
+            inputs, labels = hf.batch("phimoe")
+            loss = pipe.forward_backward(input_kwargs={**inputs, "labels": labels},
+                                         loss_fn=hf.inner_loss)
+            results.append((loss, [p.grad.clone() for p in pipe.optim_parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
