@@ -18,22 +18,25 @@ import torch.utils._pytree as pytree
 from .backprop import attach_backward
 from .compiler import Analysis, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
-from .errors import (ConfigError, InputError, ModelError, RoundPipeError, StageError,
-                     TraceError)
+from .errors import (ConfigError, InputError, MergeError, ModelError, RoundPipeError,
+                     StageError, TraceError)
 from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
-from .plan import StagePlan
+from .passes.output_merge import plan_output_merge
+from .plan import InputSignature, OutputMergePlan, StagePlan
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.grad_landing import GradLanding
 from .runtime.host_state import HostState, ModelState
-from .runtime.microbatch import (batch_size_of, check_on_cpu, input_path, merge_outputs,
+from .runtime.microbatch import (MergeColumn, batch_size_of, check_on_cpu, input_path,
+                                 merge_columns, merge_rules, merged_value, output_names,
+                                 run_tail,
                                  split_inputs, split_label)
 from .runtime.data_parallel import DataParallel, DataParallelConfig, DataParallelInfo
 from .runtime.optimizer import OptimizerWorker
 from .ops.rng import RngKey
-from .runtime.signature import flatten_inputs, leading_size, matches
+from .runtime.signature import flat_leaves, flatten_inputs, leading_size, matches
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,10 @@ class _Compiled:
     training: tuple[bool, ...]
     analysis: Analysis
     autocast: tuple[str, torch.dtype] | None  # the callers' autocast when traced
-    by_cap: dict[int | None, tuple[StagePlan, Executor]] = field(default_factory=dict)
+    # Output merge plans by the way calls split the inputs (value -> dim).
+    merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
+    # Plans (and their executors) by (memory cap, num_microbatch, recompute grain).
+    by_cap: dict[tuple, tuple[StagePlan, Executor]] = field(default_factory=dict)
 
 
 class RoundPipe:
@@ -169,7 +175,7 @@ class RoundPipe:
         self.share_blocks = share_blocks
         self.compile_units = _unit_backend(compile_units)
         self._found_leaves: tuple[str, ...] = ()  # leaves the last trace had to add
-        _disable_cache(model)
+        self._cache_configs = _disable_cache(model)
         object.__setattr__(self, "model", model)
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         self.devices: list[Device] = resolve_devices(devices, device_memory)
@@ -276,7 +282,8 @@ class RoundPipe:
             pin_host_state(self._state, host, self.pin_memory)
         executor = Executor(plan, host, self.devices, self._landing, self.compile_units)
         entry = _Compiled(plan, host, executor, training, analysis, autocast)
-        entry.by_cap[cap] = (entry.plan, entry.executor)
+        entry.by_cap[(cap, cfg.num_microbatch, cfg.recompute_grain)] = (entry.plan,
+                                                                         entry.executor)
         self._compiled.append(entry)
         self._current = entry
         return entry
@@ -295,18 +302,22 @@ class RoundPipe:
         return self._caps[cfg.memory_fraction]
 
     def _use_cap(self, entry: _Compiled, cap: int | None, cfg: ResolvedRunConfig) -> None:
-        if entry.plan.memory_cap == cap:
+        """Make ``entry.plan`` the plan for this call's memory cap, microbatch count and
+        recompute grain (``pipe.plan`` is the most recent call's, per-call overrides
+        included), partitioning again without tracing where none exists yet."""
+        key = (cap, cfg.num_microbatch, cfg.recompute_grain)
+        if _plan_key(entry.plan, cfg.recompute_grain) == key:
             return
-        if cap not in entry.by_cap:
+        if key not in entry.by_cap:
             a = entry.analysis
             plan = make_plan(a.program, a.units, a.report, num_devices=len(self.devices),
                              num_microbatch=cfg.num_microbatch,
                              device_model=self.device_model, memory_cap=cap,
                              num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
                              notes=a.notes)
-            entry.by_cap[cap] = (plan, Executor(plan, entry.host, self.devices,
+            entry.by_cap[key] = (plan, Executor(plan, entry.host, self.devices,
                                                 self._landing, self.compile_units))
-        entry.plan, entry.executor = entry.by_cap[cap]
+        entry.plan, entry.executor = entry.by_cap[key]
 
     def replan(self, *, use_measured: bool = True, **options: Any) -> StagePlan:
         """Recompute the partition of the current program (no retrace), from the per-unit
@@ -337,11 +348,12 @@ class RoundPipe:
                         num_microbatch=plan.num_microbatch, device_model=self.device_model,
                         memory_cap=self.memory_cap if "memory_cap" in options
                         else plan.memory_cap,
-                        num_stages=self.num_stages, notes=plan.notes)
+                        num_stages=self.num_stages, notes=plan.notes,
+                        recompute_grain=_plan_key(plan, "stage")[2])
         entry.plan = new
         entry.executor = Executor(new, entry.host, self.devices, self._landing,
                                   self.compile_units)
-        entry.by_cap = {new.memory_cap: (entry.plan, entry.executor)}
+        entry.by_cap = {_plan_key(new, "stage"): (entry.plan, entry.executor)}
         return new
 
     # --- calls ---------------------------------------------------------------------------
@@ -409,6 +421,8 @@ class RoundPipe:
             self._optimizer.raise_if_failed()
             check_on_cpu(label, "label")
             entry, flat, mbs = self._prepare(input_args, input_kwargs, cfg)
+            plan = self._output_merge(entry, input_args, input_kwargs, mbs, cfg,
+                                      strict=False) if return_outputs else None
             batch = batch_size_of(input_args, input_kwargs) if cfg.split_input is None else -1
             labels = split_label(label, cfg.num_microbatch, batch, cfg.split_label)
             on_grads = dp_call.bind(entry.host, entry.plan.program.units) if dp_call else None
@@ -416,7 +430,7 @@ class RoundPipe:
                 flat, labels, loss_fn, grain=cfg.recompute_grain, want_outputs=return_outputs,
                 keys=self._keys(cfg), fence_version=self._state.fences.target,
                 autocast=self._autocast(), nonfinite_loss_ok=self._nonfinite_loss_ok,
-                on_grads=on_grads)
+                on_grads=on_grads, keep=_tail_values(plan))
             loss = _sum_losses(result.losses)
             if dp_call is not None:
                 # A failed step here must fail the call on every replica, before any commits.
@@ -426,7 +440,7 @@ class RoundPipe:
             if dp_call is not None:
                 self._sync_replica_buffers(entry)
             if return_outputs:
-                return loss, self._merge(entry, result, mbs, cfg)
+                return loss, self._merged(entry, result, mbs, cfg, plan)
             return loss
 
     @contextlib.contextmanager
@@ -482,12 +496,90 @@ class RoundPipe:
         # On the optimizer thread: an interrupt of the caller cannot tear the commit.
         self._optimizer.run(commit)
 
-    def _merge(self, entry: _Compiled, result: RunResult, mbs: list, cfg: ResolvedRunConfig
-               ) -> Any:
-        outputs = [pytree.tree_unflatten(o, entry.plan.program.out_spec)
-                   for o in result.outputs or []]
-        sizes = [leading_size(a, k) for a, k in mbs]
-        return merge_outputs(outputs, sizes, cfg.merge_output, cfg.output_device)
+    def _output_merge(self, entry: _Compiled, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      mbs: list, cfg: ResolvedRunConfig, strict: bool = True
+                      ) -> OutputMergePlan | None:
+        """How this call's outputs merge exactly (passes/output_merge.py), checked before
+        the call runs; None where the user's ``merge_output`` decides, or for one
+        microbatch (nothing to merge).  ``strict``: an output with no exact merge is an
+        error (``pipe(x)``); else it keeps per-microbatch results, concatenated (the
+        outputs of ``forward_backward``, whose loss is per microbatch too)."""
+        if cfg.merge_output is not None or len(mbs) == 1:
+            return None
+        program = entry.plan.program
+        split = _split_dims(program.inputs, (args, kwargs), mbs[0])
+        key = tuple(sorted(split.items(), key=str))
+        plan = entry.merge_plans.get(key)
+        if plan is None:
+            available = frozenset(v for u in program.units for v in u.outputs) | frozenset(
+                n for n in program.inputs.names if n is not None)
+            plan = plan_output_merge(entry.analysis.traced, split, available)
+            entry.merge_plans[key] = plan
+        refused = [(j, r) for j, r in enumerate(plan.rules) if r.kind == "none"]
+        if refused and strict:
+            names = output_names(program.out_spec, len(program.outputs))
+            j, rule = refused[0]
+            raise MergeError(
+                f"{names[j]} cannot be put back together from {len(mbs)} microbatches "
+                f"exactly: {rule.reason}. Eager PyTorch computes it on the whole batch; "
+                "merging microbatch results would give another number. Ways out: "
+                "num_microbatch=1 for this call (exact); forward_backward(), whose loss is "
+                "the sum of per-microbatch losses by definition; or, if per-microbatch "
+                "results are what you want, RoundPipeRunConfig(merge_output=...): 0 "
+                "concatenates along dim 0, 'sum' adds, 'first' keeps the first "
+                "microbatch's, or a pytree of those per output, or a callable over the "
+                "list of per-microbatch outputs")
+        return plan
+
+    def _merge_columns(self, entry: _Compiled, result: RunResult, mbs: list,
+                       cfg: ResolvedRunConfig, plan: OutputMergePlan | None
+                       ) -> tuple[list[MergeColumn], Callable[[list[Any]], Any]]:
+        """The values to merge (columns) and how the outputs are built from them."""
+        program = entry.plan.program
+        outputs = result.outputs or []
+        device = cfg.output_device
+        if plan is None:  # the user's merge spec, or one microbatch
+            per_mb = [pytree.tree_unflatten(o, program.out_spec) for o in outputs]
+            sizes = [leading_size(a, k) for a, k in mbs]
+            rules = merge_rules(per_mb, sizes, cfg.merge_output)
+            columns = [MergeColumn(ref.value, rule, [o[j] for o in outputs])
+                       for j, (ref, rule) in enumerate(zip(program.outputs, rules))]
+            return columns, lambda values: pytree.tree_unflatten(values, program.out_spec)
+        direct, tail_inputs = merge_columns(plan, outputs, result.values, program.outputs,
+                                            device)
+        if any(r.kind == "none" for r in plan.rules):  # per-microbatch results (not strict)
+            per_mb = [pytree.tree_unflatten(o, program.out_spec) for o in outputs]
+            sizes = [leading_size(a, k) for a, k in mbs]
+            fallback = merge_rules(per_mb, sizes, None)
+            direct = [MergeColumn(ref.value, fallback[j], [o[j] for o in outputs])
+                      if rule.kind == "none" else c
+                      for j, (ref, rule, c) in enumerate(zip(program.outputs, plan.rules,
+                                                             direct))]
+        columns = [c for c in direct if c is not None] + tail_inputs
+        tail = plan.tail
+
+        def build(values: list[Any]) -> Any:
+            flat: list[Any] = []
+            it = iter(values[:len(columns) - len(tail_inputs)])
+            for c in direct:
+                flat.append(None if c is None else next(it))
+            if tail is not None:
+                state = {slot: entry.host.tensors[slot] for slot in tail.program.state}
+                for j, value in zip(tail.outputs,
+                                    run_tail(tail, values[len(values) - len(tail_inputs):],
+                                             state, device)):
+                    flat[j] = value
+            return pytree.tree_unflatten(flat, program.out_spec)
+        return columns, build
+
+    def _merged(self, entry: _Compiled, result: RunResult, mbs: list, cfg: ResolvedRunConfig,
+                plan: OutputMergePlan | None) -> Any:
+        if callable(cfg.merge_output):
+            outputs = [pytree.tree_unflatten(o, entry.plan.program.out_spec)
+                       for o in result.outputs or []]
+            return cfg.merge_output(outputs)
+        columns, build = self._merge_columns(entry, result, mbs, cfg, plan)
+        return build([merged_value(c, cfg.output_device) for c in columns])
 
     def forward(self, *args: Any, run_config: RoundPipeRunConfig | None = None,
                 **kwargs: Any) -> Any:
@@ -503,19 +595,26 @@ class RoundPipe:
             entry, flat, mbs = self._prepare(tuple(args), dict(kwargs), cfg)
             record = cfg.requires_grad if cfg.requires_grad is not None \
                 else torch.is_grad_enabled()
+            if record and callable(cfg.merge_output):
+                raise ConfigError(
+                    "a callable merge_output cannot be differentiated through; use a merge "
+                    "spec, forward_backward(), or run forward() under torch.no_grad()")
+            plan = self._output_merge(entry, tuple(args), dict(kwargs), mbs, cfg)
             keys = self._keys(cfg)
             version = self._state.fences.target
             result = entry.executor.forward(flat, record=record, grain=cfg.recompute_grain,
                                             keys=keys, fence_version=version,
-                                            autocast=self._autocast())
+                                            autocast=self._autocast(),
+                                            keep=_tail_values(plan))
             self._finish(entry, result)
-            merged = self._merge(entry, result, mbs, cfg)
             if not record:
-                return merged
+                return self._merged(entry, result, mbs, cfg, plan)
+            columns, build = self._merge_columns(entry, result, mbs, cfg, plan)
+            merged = [merged_value(c, cfg.output_device) for c in columns]
             # requires_grad=True records even under torch.no_grad(), as asked.
             with torch.enable_grad():
                 return attach_backward(self, entry, result, (tuple(args), dict(kwargs)),
-                                       mbs, merged, cfg, keys)
+                                       mbs, columns, merged, build, cfg, keys)
 
     __call__ = forward
 
@@ -658,6 +757,9 @@ class RoundPipe:
                     self._optimizer.wait()
                 else:
                     self.synchronize()
+                if name in _SAVING_METHODS:
+                    with _users_config(self.__dict__.get("_cache_configs", ())):
+                        return value(*args, **kwargs)
                 return value(*args, **kwargs)
             return forwarded
         return value
@@ -669,6 +771,8 @@ class RoundPipe:
 
 # Model methods that only flip flags: forwarded without publishing pending steps.
 _FLAG_METHODS = frozenset({"train", "eval", "requires_grad_"})
+# Methods that write the model's config out: they see the user's use_cache.
+_SAVING_METHODS = frozenset({"save_pretrained", "push_to_hub"})
 
 
 def _unit_backend(compile_units: bool | str) -> str | None:
@@ -705,10 +809,11 @@ def compile(  # noqa: A001 - the documented name
 
 # --- helpers -------------------------------------------------------------------------------
 
-def _disable_cache(model: torch.nn.Module) -> None:
+def _disable_cache(model: torch.nn.Module) -> list[Any]:
     """Turn off key/value caches (``config.use_cache``, as Hugging Face models have it):
     they serve generation, and in training they only cost memory and add outputs.
-    Submodules may hold configs of their own (T5's decoder copies the model's)."""
+    Submodules may hold configs of their own (T5's decoder copies the model's).  Returns
+    the configs changed (they had ``use_cache=True``)."""
     configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
                if getattr(c, "use_cache", False) is True}
     for config in configs.values():
@@ -717,6 +822,21 @@ def _disable_cache(model: torch.nn.Module) -> None:
         log.info("roundpipe: set config.use_cache = False in %d config(s) of %s for training "
                  "(set it back to True to generate with a cache)", len(configs),
                  type(model).__name__)
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def _users_config(configs: Sequence[Any]) -> Iterator[None]:
+    """While saving, the configs say ``use_cache`` as the user had them (True where
+    roundpipe turned it off), so a saved model generates with its cache when loaded."""
+    switched = [c for c in configs if getattr(c, "use_cache", None) is False]
+    for config in switched:
+        config.use_cache = True
+    try:
+        yield
+    finally:
+        for config in switched:
+            config.use_cache = False
 
 
 def _dtype_mismatch(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -762,3 +882,35 @@ def _sum_losses(losses: list[torch.Tensor | None]) -> torch.Tensor:
     return total
 
 
+
+
+def _plan_key(plan: StagePlan, grain: str) -> tuple:
+    """(memory cap, num_microbatch, recompute grain) a plan was made for (a plan with no
+    backward stage shows no grain: any will do)."""
+    shown = next((s.recompute for s in plan.stages if s.kind == "bwd"), grain)
+    return plan.memory_cap, plan.num_microbatch, shown
+
+
+def _tail_values(plan: OutputMergePlan | None) -> frozenset[str]:
+    """The values an output tail reads, kept per microbatch by the executor."""
+    if plan is None or plan.tail is None:
+        return frozenset()
+    return frozenset(value for value, _, _ in plan.tail.inputs)
+
+
+def _split_dims(sig: InputSignature, full: tuple[tuple[Any, ...], dict[str, Any]],
+                first: tuple[tuple[Any, ...], dict[str, Any]]) -> dict[str, int | None]:
+    """Which program inputs a call split, and along which dimension (None: split in a way
+    that is not one dimension), read off the whole inputs and the first microbatch's."""
+    whole = flat_leaves(sig, *full) or []
+    piece = flat_leaves(sig, *first) or []
+    split: dict[str, int | None] = {}
+    for name, a, b in zip(sig.names, whole, piece):
+        if name is None or a is b:
+            continue
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim():
+            dims = [d for d in range(a.dim()) if a.shape[d] != b.shape[d]]
+            split[name] = dims[0] if len(dims) == 1 else None
+        else:
+            split[name] = None
+    return split

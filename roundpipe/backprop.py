@@ -9,14 +9,12 @@ masters and returns the gradients of inputs that require them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
 
-from .errors import ConfigError
-from .runtime.microbatch import merge_rules
-from .runtime.signature import flat_leaves, leading_size
+from .runtime.microbatch import MergeColumn
+from .runtime.signature import flat_leaves
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import RoundPipe, _Compiled
@@ -29,13 +27,12 @@ class _Context:
     """Everything the backward needs from the forward call."""
 
     def __init__(self, pipe: RoundPipe, entry: _Compiled, result: RunResult,
-                 per_mb_outputs: list[list[Any]], rules: list[Any], cfg: ResolvedRunConfig,
+                 columns: list[MergeColumn], cfg: ResolvedRunConfig,
                  keys: list[RngKey | None], grad_inputs: list[tuple[str, bool]]) -> None:
         self.pipe = pipe
         self.entry = entry
         self.stash = result.stash
-        self.per_mb_outputs = per_mb_outputs
-        self.rules = rules
+        self.columns = columns  # the merged values connected to the backward
         self.cfg = cfg
         self.keys = keys
         self.grad_inputs = grad_inputs  # (value name, was split) per input requiring grad
@@ -58,20 +55,17 @@ class _PipelineBackward(torch.autograd.Function):
         if context.stash is None:
             raise RuntimeError("this forward was not recorded for backward")
         program = context.entry.plan.program
-        num_mb = len(context.per_mb_outputs)
+        num_mb = len(context.columns[0].pieces) if context.columns else 0
         output_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(num_mb)]
-        for j, grad in zip(context.out_columns, grads):  # type: ignore[attr-defined]
-            if grad is None:
+        for column, grad in zip(context.columns, grads):
+            if grad is None or column.value is None:
                 continue
-            ref = program.outputs[j]
-            if ref.value is None:
-                continue
-            for mb, piece in enumerate(_split_grad(grad, context.rules[j],
-                                                   [o[j] for o in context.per_mb_outputs])):
+            for mb, piece in enumerate(_split_grad(grad, column.rule, column.pieces)):
                 if piece is None:
                     continue
                 store = output_grads[mb]
-                store[ref.value] = store[ref.value] + piece if ref.value in store else piece
+                value = column.value
+                store[value] = store[value] + piece if value in store else piece
         pipe = context.pipe
         pipe._check_open()
         with pipe._lock, pipe._replica_call() as dp_call:
@@ -117,18 +111,12 @@ def _split_grad(grad: torch.Tensor, rule: Any, per_mb: list[Any]) -> list[torch.
 
 def attach_backward(pipe: RoundPipe, entry: _Compiled, result: RunResult,
                     full_inputs: tuple[tuple[Any, ...], dict[str, Any]], mbs: list,
-                    merged: Any, cfg: ResolvedRunConfig, keys: list[RngKey | None]) -> Any:
-    """Return ``merged`` with its floating tensors connected to a pipelined backward."""
-    if callable(cfg.merge_output):
-        raise ConfigError(
-            "a callable merge_output cannot be differentiated through; use a merge spec, "
-            "forward_backward(), or run forward() under torch.no_grad()")
+                    columns: list[MergeColumn], merged: list[Any],
+                    build: Callable[[list[Any]], Any], cfg: ResolvedRunConfig,
+                    keys: list[RngKey | None]) -> Any:
+    """The call's outputs, ``build(merged)``, with the merged floating tensors (one per
+    ``columns`` entry) connected to a pipelined backward first."""
     program = entry.plan.program
-    per_mb = [pytree.tree_unflatten(o, program.out_spec) for o in result.outputs or []]
-    sizes = [leading_size(a, k) for a, k in mbs]
-    rules = merge_rules(per_mb, sizes, cfg.merge_output)
-    flat_merged, spec = pytree.tree_flatten(merged)
-    per_mb_flat = [pytree.tree_flatten(o)[0] for o in per_mb]
 
     full_leaves = flat_leaves(program.inputs, *full_inputs) or []
     grad_inputs: list[tuple[str, bool]] = []
@@ -141,13 +129,14 @@ def attach_backward(pipe: RoundPipe, entry: _Compiled, result: RunResult,
             grad_inputs.append((name, was_split))
             grad_tensors.append(leaf)
 
-    context = _Context(pipe, entry, result, per_mb_flat, rules, cfg, keys, grad_inputs)
-    columns = [j for j, v in enumerate(flat_merged) if isinstance(v, torch.Tensor)]
-    context.out_columns = columns  # type: ignore[attr-defined]
-    context.out_tensors = [flat_merged[j] for j in columns]  # type: ignore[attr-defined]
+    connected = [j for j, v in enumerate(merged) if isinstance(v, torch.Tensor)]
+    context = _Context(pipe, entry, result, [columns[j] for j in connected], cfg, keys,
+                       grad_inputs)
+    context.out_tensors = [merged[j] for j in connected]  # type: ignore[attr-defined]
     anchor = torch.empty(0, requires_grad=True)
     outs = _PipelineBackward.apply(context, anchor, *grad_tensors)
-    for j, out in zip(columns, outs):
-        flat_merged[j] = out
-    return pytree.tree_unflatten(flat_merged, spec)
+    values = list(merged)
+    for j, out in zip(connected, outs):
+        values[j] = out
+    return build(values)
 

@@ -14,10 +14,11 @@ from .passes.codegen import build_stage_module, generate_unit_programs
 from .passes.cost import CostReport, DeviceModel, estimate_costs
 from .passes.layers import assign_layers, find_unit_roots, parallel_containers
 from .passes.leaves import resolve_leaf_modules
+from .passes.output_merge import default_split, plan_output_merge
 from .passes.partition import (PipelineCuts, max_pipeline_stages, partition_pipeline,
                                simulate_round_robin)
 from .passes.recompute import plan_recompute
-from .passes.trace import trace
+from .passes.trace import TracedGraph, trace
 from .plan import LayerUnit, ModelProgram, StagePlan, StageSpec, UnitCost, compact_unit_names
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class Analysis:
     report: CostReport
     notes: tuple[str, ...]
     leaves: tuple[str, ...] = ()  # modules the trace kept opaque (asked for or found)
+    traced: TracedGraph | None = None  # the flat graph (output merges are proven on it)
 
 
 def analyze(
@@ -72,12 +74,20 @@ def analyze(
     if parallel:
         roots = find_unit_roots(model, hidden | parallel)
         layers = assign_layers(traced, roots)
-    # 6a. codegen: one program per unit; cuts only ever fall between units.
-    program = generate_unit_programs(traced, layers)
+    # 6a. codegen: one program per unit; cuts only ever fall between units.  Where an
+    # output mixes samples, the per-sample values it is computed from (under the usual
+    # split of the inputs) are unit outputs, so pipe(x) can recompute it on the batch.
+    try:
+        merge = plan_output_merge(traced, default_split(traced))
+        keep = frozenset(v for v, _, _ in merge.tail.inputs) if merge.tail else frozenset()
+    except Exception as e:  # noqa: BLE001 - the call checks again, and says why
+        log.info("roundpipe: no output merge proven at compile time: %s", e)
+        keep = frozenset()
+    program = generate_unit_programs(traced, layers, keep=keep)
     # 3. cost: FLOPs and bytes per unit on fake tensors, liveness across every cut.
     report = estimate_costs(traced, layers, program, device_model, scale=cost_scale)
     return Analysis(program, layers.units, report, traced.notes + layers.notes,
-                    traced.leaves)
+                    traced.leaves, traced)
 
 
 def compile_model(

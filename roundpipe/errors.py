@@ -37,6 +37,11 @@ class InputError(RoundPipeError, ValueError):
     """Inputs or labels passed to a call are unusable (device, batch size, structure)."""
 
 
+class MergeError(RoundPipeError, ValueError):
+    """An output of a split call cannot be put back together exactly (it mixes samples in
+    a way roundpipe cannot recompute on the whole batch)."""
+
+
 class LossError(RoundPipeError, ValueError):
     """``loss_fn`` returned something that is not a finite scalar tensor."""
 

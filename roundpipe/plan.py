@@ -141,6 +141,48 @@ class ModelProgram:
 
 
 @dataclass(frozen=True)
+class MergeRule:
+    """How ``pipe(x)`` puts one flat output back together from its microbatches.
+
+    ``kind``: ``"cat"`` (concatenate along ``dim``: the output is computed sample by
+    sample), ``"first"`` (the same in every microbatch), ``"tail"`` (recomputed after the
+    pipeline from the concatenated per-sample values it depends on: it mixes samples, as a
+    mean loss does) or ``"none"`` (no exact merge: ``reason`` says why).
+    """
+
+    kind: Literal["cat", "first", "tail", "none"]
+    dim: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class OutputTail:
+    """The nodes from the last per-sample values to the outputs that mix samples, as one
+    program run once on the whole batch.
+
+    Attributes:
+        program: a unit program (``index`` -1) whose inputs are per-sample values.
+        inputs: per program input, ``(value, "cat" | "first", dim)``: concatenated over
+            the microbatches along ``dim``, or taken from the first one.
+        outputs: the flat outputs it computes, by position.
+        output_values: the value each of those is (a program output of ``program``).
+    """
+
+    program: UnitProgram
+    inputs: tuple[tuple[str, str, int], ...]
+    outputs: tuple[int, ...]
+    output_values: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OutputMergePlan:
+    """The merge rule of every flat output for one way of splitting the inputs."""
+
+    rules: tuple[MergeRule, ...]
+    tail: OutputTail | None = None
+
+
+@dataclass(frozen=True)
 class LayerUnit:
     """A layer unit as the plan table shows it."""
 

@@ -374,14 +374,16 @@ def test_pipelined_forward_then_backward_recomputes_from_the_forwards_buffers(
         devices: int, grain: str) -> None:
     """forward() commits its buffer updates when it ends; the backward's recompute must
     still start from the buffers the forward started from (else the EMA it reads is
-    updated twice and the head's gradient is wrong)."""
+    updated twice and the head's gradient is wrong).  (Each microbatch updates the EMA,
+    so the outputs are per-microbatch results, asked for with merge_output=0.)"""
     torch.manual_seed(0)
     model = EmaNet(torch.no_grad).double()
     eager = copy.deepcopy(model)
     x = torch.randn(6, 8, dtype=torch.double)
     with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=None,
                    model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB,
-                                                       recompute_grain=grain)) as pipe:
+                                                       recompute_grain=grain,
+                                                       merge_output=0)) as pipe:
         for call in range(2):
             pipe(x).pow(2).sum().backward()
             torch.cat([eager(c) for c in x.chunk(NUM_MB)]).pow(2).sum().backward()

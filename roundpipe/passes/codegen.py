@@ -41,8 +41,11 @@ RANDOM = "roundpipe.random"
 
 
 def generate_unit_programs(traced: TracedGraph, layers: LayerAssignment,
-                           trace_device: torch.device = torch.device("cpu")) -> ModelProgram:
-    """Cut the traced graph into one program per layer unit."""
+                           trace_device: torch.device = torch.device("cpu"),
+                           keep: frozenset[str] = frozenset()) -> ModelProgram:
+    """Cut the traced graph into one program per layer unit; the values in ``keep`` are
+    outputs of their units even where no later unit reads them (an output tail's inputs,
+    see :mod:`roundpipe.passes.output_merge`)."""
     graph = traced.graph_module.graph
     state_names = {s.name for s in traced.state}
     nodes_of: list[list[torch.fx.Node]] = [[] for _ in layers.units]
@@ -54,7 +57,7 @@ def generate_unit_programs(traced: TracedGraph, layers: LayerAssignment,
     state_users: dict[str, list[int]] = {}
     for unit in layers.units:
         program = _unit_program(traced, unit.index, unit.name, nodes_of[unit.index],
-                                state_names, trace_device)
+                                state_names, trace_device, keep)
         units.append(program)
         for s in program.state:
             state_users.setdefault(s, []).append(unit.index)
@@ -70,6 +73,14 @@ def generate_unit_programs(traced: TracedGraph, layers: LayerAssignment,
         constants=dict(traced.constants),
         trace_method=traced.method,
     )
+
+
+def tail_program(traced: TracedGraph, nodes: list[torch.fx.Node],
+                 trace_device: torch.device = torch.device("cpu")) -> UnitProgram:
+    """A program of ``nodes`` (in graph order) run after the pipeline, on whole-batch
+    values (see :mod:`roundpipe.passes.output_merge`)."""
+    return _unit_program(traced, -1, "tail", nodes, {s.name for s in traced.state},
+                         trace_device)
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -91,7 +102,8 @@ def _is_random(node: torch.fx.Node) -> bool:
 
 
 def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.fx.Node],
-                  state_names: set[str], trace_device: torch.device) -> UnitProgram:
+                  state_names: set[str], trace_device: torch.device,
+                  keep: frozenset[str] = frozenset()) -> UnitProgram:
     inside = set(nodes)
     inputs: list[torch.fx.Node] = []
     state: list[torch.fx.Node] = []
@@ -102,7 +114,7 @@ def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.
             bucket = state if arg.name in state_names else inputs
             if arg not in bucket:
                 bucket.append(arg)
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    outputs = [n for n in nodes if n.name in keep or any(u not in inside for u in n.users)]
 
     needs_device = any(_has_device(n.args, trace_device) or _has_device(n.kwargs, trace_device)
                        for n in nodes if n.target not in _DROPPED)

@@ -143,6 +143,8 @@ class RunResult:
     # The slots whose param_grads are fresh tensors in the masters' dtype that the commit
     # may keep as .grad; the others are reused download (or reduction) buffers.
     grads_owned: frozenset[str] = frozenset()
+    # Per microbatch, the values asked for with ``keep`` (an output tail's inputs).
+    values: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -191,6 +193,7 @@ class _Call:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     t0: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    keep: frozenset[str] = frozenset()  # more values returned per microbatch (RunResult.values)
 
 
 class Executor:
@@ -238,7 +241,8 @@ class Executor:
               *, grain: str, want_outputs: bool, keys: list[RngKey | None],
               fence_version: int, autocast: tuple[str, torch.dtype] | None = None,
               nonfinite_loss_ok: bool = False,
-              on_grads: Callable[..., None] | None = None) -> RunResult:
+              on_grads: Callable[..., None] | None = None,
+              keep: frozenset[str] = frozenset()) -> RunResult:
         """Forward stages, fused tail (loss + backward), backward stages.
 
         A NaN or infinite loss raises :class:`LossError` (nothing is committed) unless
@@ -250,12 +254,14 @@ class Executor:
                               fence_version, autocast=autocast)
         call.nonfinite_loss_ok = nonfinite_loss_ok
         call.on_grads = on_grads
+        call.keep = keep
         self._wire(jobs, call, stash_for_backward=False)
         return self._run(jobs, call)
 
     def forward(self, inputs: list[dict[str, Any]], *, record: bool, grain: str,
                 keys: list[RngKey | None], fence_version: int,
-                autocast: tuple[str, torch.dtype] | None = None) -> RunResult:
+                autocast: tuple[str, torch.dtype] | None = None,
+                keep: frozenset[str] = frozenset()) -> RunResult:
         """Forward stages and the tail as a forward stage; with ``record`` the values the
         backward needs are kept in ``RunResult.stash``."""
         n = len(self.units)
@@ -265,6 +271,7 @@ class Executor:
         jobs.append(Job(len(jobs), tail.index, "fwd", tail.units[0], n))
         call = self._new_call("forward", inputs, [None] * len(inputs), None, grain, True, keys,
                               fence_version, record=record, autocast=autocast)
+        call.keep = keep
         self._wire(jobs, call, stash_for_backward=record)
         before = {slot: self.host.tensors[slot].clone() for slot in self._written_state
                   } if record else {}
@@ -364,6 +371,7 @@ class Executor:
                 kept.update(unit.inputs)
         if call.want_outputs:
             kept.update(self._output_values)
+        kept.update(call.keep)
         same_device = len(self.devices) == 1  # consecutive jobs share a device
         for k, job in enumerate(jobs):
             units = self.units[job.start:job.stop]
@@ -457,6 +465,7 @@ class Executor:
         if call.want_outputs:
             outputs = [[call.store[mb][o.value] if o.value is not None else o.constant
                         for o in self.program.outputs] for mb in range(call.num_mb)]
+        values = [{v: call.store[mb][v] for v in call.keep} for mb in range(call.num_mb)]
         input_grads = None
         if call.mode == "backward":
             names = {n for n in self.program.inputs.names if n is not None}
@@ -474,7 +483,7 @@ class Executor:
                     param_grads[slot] = grads
         return RunResult(losses=call.losses, outputs=outputs, param_grads=param_grads,
                          buffers=call.buffers, input_grads=input_grads, stats=stats,
-                         grads_owned=frozenset(owned))
+                         grads_owned=frozenset(owned), values=values)
 
     def runnable(self, unit: UnitProgram, device: torch.device | None = None
                  ) -> Callable[..., Any]:

@@ -7,12 +7,14 @@ every tensor whose first dimension equals it is split along dimension 0
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
 from ..errors import ConfigError, InputError
+from ..plan import OutputMergePlan, OutputTail
 
 _is_none = lambda x: x is None  # noqa: E731 - a leaf predicate for pytree
 
@@ -135,11 +137,16 @@ def merge_rules(outputs: Sequence[Any], sizes: Sequence[int], spec: Any) -> list
     columns = list(zip(*flat))
     if spec is None:
         given: list[Any] = [None] * len(columns)
+    elif isinstance(spec, (int, str)) and len(columns) != 1:
+        # one rule for every output it applies to (a dim: the tensors that have it)
+        given = [spec if isinstance(c[0], torch.Tensor) and (
+            not isinstance(spec, int) or c[0].dim() > spec) else None for c in columns]
     else:
         given = pytree.tree_flatten(spec, is_leaf=_is_none)[0]
         if len(given) != len(columns):
             raise ConfigError(
-                f"merge spec has {len(given)} leaves but the output has {len(columns)}")
+                f"merge spec has {len(given)} leaves but the output has {len(columns)}; "
+                "give one rule per output leaf, or a single rule for all of them")
     rules = []
     for column, rule in zip(columns, given):
         first = column[0]
@@ -188,3 +195,65 @@ def _merge_column(values: list[Any], rule: Any) -> Any:
     if rule == "stack":
         return torch.stack(values)
     return torch.cat(values, dim=rule)
+
+
+# --- merging by the program's proven rules (plan.OutputMergePlan) -------------------------
+
+@dataclass
+class MergeColumn:
+    """One merged value of a call: a model output or an input of the output tail, with
+    the rule that merged it and its microbatch pieces (what a backward splits back)."""
+
+    value: str | None    # the program value (None: a constant output)
+    rule: Any            # an int dim (concatenated), "first" or "sum"
+    pieces: list[Any]
+
+
+def merge_columns(plan: OutputMergePlan, outputs: Sequence[Sequence[Any]],
+                  values: Sequence[Mapping[str, Any]], refs: Sequence[Any],
+                  device: torch.device) -> tuple[list[MergeColumn | None], list[MergeColumn]]:
+    """Merge every flat output the plan merges directly (``None`` where the tail
+    computes it), and the tail's inputs."""
+    direct: list[MergeColumn | None] = []
+    for j, rule in enumerate(plan.rules):
+        if rule.kind in ("tail", "none"):
+            direct.append(None)
+            continue
+        pieces = [o[j] for o in outputs]
+        direct.append(MergeColumn(refs[j].value, rule.dim if rule.kind == "cat" else "first",
+                                  pieces))
+    tail_inputs = []
+    if plan.tail is not None:
+        for value, kind, dim in plan.tail.inputs:
+            pieces = [v[value] for v in values]
+            tail_inputs.append(MergeColumn(value, dim if kind == "cat" else "first", pieces))
+    return direct, tail_inputs
+
+
+def merged_value(column: MergeColumn, device: torch.device) -> Any:
+    value = _merge_column(list(column.pieces), column.rule)
+    if isinstance(value, torch.Tensor) and value.device != device:
+        value = value.to(device)
+    return value
+
+
+def run_tail(tail: OutputTail, inputs: Sequence[Any], state: Mapping[str, torch.Tensor],
+             device: torch.device) -> list[Any]:
+    """Run the output tail once on the merged values; returns the flat outputs it
+    computes, in ``tail.outputs`` order."""
+    program = tail.program
+    args = list(inputs) + [state[s].to(device) for s in program.state]
+    if program.needs_device:
+        args.append(device)
+    results = program.module(*args)
+    by_name = dict(zip(program.outputs, results))
+    return [by_name[name] for name in tail.output_values]
+
+
+def output_names(out_spec: Any, count: int) -> list[str]:
+    """How a user names each flat output: ``output``, ``output.loss``, ``output[1]``."""
+    tree = pytree.tree_unflatten(list(range(count)), out_spec)
+    names = [""] * count
+    for path, index in pytree.tree_flatten_with_path(tree)[0]:
+        names[index] = "output" + pytree.keystr(path) if path else "the output"
+    return names

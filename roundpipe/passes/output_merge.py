@@ -1,0 +1,1019 @@
+"""How ``pipe(x)`` puts each output back together from its microbatches, exactly.
+
+A pipelined call runs the program on every microbatch; eager PyTorch runs it once on the
+whole batch.  An output whose values are computed sample by sample is the concatenation
+of its microbatch pieces.  One that mixes samples (``x.mean()``, a mean cross-entropy over
+the tokens that are not ignored, ``x.shape[0]``) is not: adding or picking pieces gives a
+different number.  This pass proves, node by node on the traced graph, what every value is
+with respect to the batch:
+
+* ``R``: does not depend on the split inputs (weights, constants, replicated inputs);
+* ``B(d)``: a tensor whose dimension ``d`` runs over samples in contiguous blocks, every
+  element computed from its own sample only;
+* ``S``: an integer that depends on the batch size (``x.size(0)``);
+* ``M``: anything else: it mixes samples, or the pass cannot prove it does not.
+
+Outputs that are ``B(d)`` are concatenated along ``d`` and ``R`` ones are taken from the
+first microbatch.  The rest are recomputed by a *tail*: the graph's nodes from the last
+per-sample values to the output, run once on the concatenated values after the pipeline
+(a mean loss is then the mean over the whole batch, as in eager).  A tail that would read
+trainable parameters (samples mixed early in the model, e.g. BatchNorm in training mode)
+is refused: the call cannot be split exactly, and the merge rule says why.
+
+Only ops the pass knows are allowed on batch-dependent values; any other op makes its
+result ``M``.  Opaque module calls are trusted to be per-sample along dimension 0 unless
+they hold a BatchNorm in training mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import sympy
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..ops.modcall import call_module_functional, tensor_leaves
+from ..plan import MergeRule, OutputMergePlan, OutputRef, OutputTail
+from .codegen import tail_program
+from .trace import MODULE_PATH, MUTATES, TracedGraph
+
+R = ("R",)
+S = ("S",)
+
+
+_ONE = sympy.Integer(1)
+
+
+def _b(d: int, m: Any = _ONE, k: Any = _ONE) -> tuple:
+    """``B(d)``: dimension ``d`` has size ``m * batch * k`` and element ``i`` of it belongs
+    to sample ``(i // k) % batch`` (``m = k = 1``: one row per sample; ``k = T``: rows of
+    a ``(B * T, C)`` view; ``m = T``: rows of a ``(T * B, C)`` view, samples interleaved)."""
+    return ("B", d, m, k)
+
+
+def _i(d: int) -> tuple:
+    """The sample number of every element along dimension ``d`` (``arange(B)``
+    reshaped): an index that picks each sample's own rows out of a batch value."""
+    return ("I", d, _ONE, _ONE)
+
+
+def _kind(s: tuple, d: int) -> tuple:
+    """A batch state like ``s`` (its kind and the layout of samples in its batch
+    dimension), along dimension ``d``."""
+    return (s[0], d) + tuple(s[2:])
+
+
+def _rows(s: tuple, d: int | None = None) -> bool:
+    """Whether ``s`` is ``B`` with one element per sample along its batch dimension (and
+    that dimension is ``d``, when given)."""
+    return (s[0] == "B" and (d is None or s[1] == d)
+            and s[2] == _ONE and s[3] == _ONE)
+
+
+class _Batch:
+    """The batch size as shape algebra: one symbol for every split input's batch size
+    (export gives each input a symbol of its own; the split makes them equal), sizes as
+    sympy expressions, equality and exact division as polynomial identities (true for
+    every batch size the program runs with)."""
+
+    def __init__(self, sizes: Sequence[Any]) -> None:
+        exprs = [self._raw(s) for s in sizes]
+        self.size: Any = exprs[0] if exprs else None
+        self.subs = {e: self.size for e in exprs[1:] if isinstance(e, sympy.Symbol)}
+
+    @staticmethod
+    def _raw(size: Any) -> Any:
+        if isinstance(size, torch.SymInt):
+            return size.node.expr
+        if isinstance(size, int):
+            return sympy.Integer(size)
+        return size
+
+    def expr(self, size: Any) -> Any:
+        e = self._raw(size)
+        return e.subs(self.subs) if self.subs and hasattr(e, "subs") else e
+
+    def same(self, a: Any, b: Any) -> bool:
+        try:
+            return sympy.expand(self.expr(a) - self.expr(b)) == 0
+        except Exception:  # noqa: BLE001
+            return False
+
+    def quotient(self, a: Any, b: Any) -> Any:
+        """``a / b`` when ``b`` divides ``a`` exactly (as polynomials), else None."""
+        try:
+            num, den = sympy.fraction(sympy.cancel(self.expr(a) / self.expr(b)))
+        except Exception:  # noqa: BLE001
+            return None
+        return num if den == 1 else None
+
+    def per_sample(self, size: Any) -> Any:
+        """``size / batch`` when the batch divides ``size``, else None."""
+        return None if self.size is None else self.quotient(size, self.size)
+
+
+def _m(reason: str) -> tuple:
+    return ("M", reason)
+
+
+class _Mixing(Exception):
+    """An op makes its value mix samples (caught per node: the value becomes M)."""
+
+
+def plan_output_merge(traced: TracedGraph, split: Mapping[str, int | None],
+                      available: frozenset[str] | None = None) -> OutputMergePlan:
+    """The merge rule of every flat output when the inputs named in ``split`` are split
+    along the given dimensions (None: split some other way; the other inputs are passed
+    whole to every microbatch).  A tail reads only ``available`` values (what the
+    microbatches return: unit outputs and inputs; default: any value), and recomputes
+    the per-sample values between those and where samples mix."""
+    graph = traced.graph_module.graph
+    if traced.method == "fx":
+        return OutputMergePlan(tuple(
+            MergeRule("first") if ref.value is None else MergeRule(
+                "none", reason="the model was traced by torch.fx, whose graphs record no "
+                "shapes to prove a merge with")
+            for ref in traced.outputs))
+    state_names = {s.name for s in traced.state}
+    states: dict[torch.fx.Node, tuple] = {}
+    # The batch size as each split input sees it: export gives inputs their own symbols
+    # (equal at run time: the split makes them so).
+    sizes: list[Any] = []
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.name in split and split[node.name] is None:
+            states[node] = _m(f"input {node.name} is split along no single dimension")
+        elif node.name in split:
+            states[node] = _b(split[node.name])  # type: ignore[arg-type]
+            size = _shape(node)[split[node.name]]  # type: ignore[index]
+            if not any(size is other for other in sizes):
+                sizes.append(size)
+        else:
+            states[node] = R
+    batch = _Batch(sizes)
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            states[node] = R
+            continue
+        try:
+            states[node] = _transfer(node, states, batch, traced)
+        except _Mixing as e:
+            states[node] = _m(str(e))
+        except Exception as e:  # noqa: BLE001 - an op the pass misreads: not proven
+            states[node] = _m(f"{_where(node)} could not be analysed ({e})")
+        if node.meta.get(MUTATES):
+            # State written from batch values carries them into the next microbatch (and
+            # is written once per microbatch, eager writes it once per call).
+            for name in node.meta[MUTATES]:
+                slot = next((n for n in graph.nodes if n.op == "placeholder"
+                             and n.name == name), None)
+                if slot is not None and states[node] != R:
+                    states[slot] = _m(f"{_where(node)} writes {name} in place")
+    rules: list[MergeRule] = []
+    tail_outputs: list[int] = []
+    for j, ref in enumerate(traced.outputs):
+        node = _output_node(graph, ref)
+        state = R if node is None else states.get(node, R)
+        if state == R:
+            rules.append(MergeRule("first"))
+        elif state[0] == "B" and state[2] == _ONE:  # samples in blocks: concatenate
+            rules.append(MergeRule("cat", dim=state[1]))
+        else:
+            rules.append(MergeRule("tail", reason=state[1] if state[0] == "M" else
+                                   "a size that depends on the batch"))
+            tail_outputs.append(j)
+    if not tail_outputs:
+        return OutputMergePlan(tuple(rules), None)
+    tail, refusal = _tail(traced, states, [_output_node(graph, traced.outputs[j])
+                                           for j in tail_outputs], state_names, available)
+    if tail is None:
+        rules = [MergeRule("none", reason=f"{r.reason}; {refusal}") if r.kind == "tail" else r
+                 for r in rules]
+        return OutputMergePlan(tuple(rules), None)
+    values = tuple(traced.outputs[j].value for j in tail_outputs)
+    missing = [v for v in values if v not in tail.program.outputs]
+    if missing:  # never expected: every tail output is a node of the tail
+        raise AssertionError(f"the output tail does not compute {missing}")
+    return OutputMergePlan(tuple(rules), dataclasses.replace(
+        tail, outputs=tuple(tail_outputs), output_values=values))
+
+
+def default_split(traced: TracedGraph) -> dict[str, int | None]:
+    """The inputs the default rule splits (``runtime/microbatch.split_inputs``): tensors
+    whose first dimension is the batch size, that of the first tensor with a dimension."""
+    tensors = [(n, x) for n, x in zip(traced.inputs.names, traced.example_inputs)
+               if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    if not tensors:
+        return {}
+    batch = tensors[0][1].shape[0]
+    return {n: 0 for n, x in tensors if n is not None and x.shape[0] == batch}
+
+
+def _where(node: torch.fx.Node) -> str:
+    """``aten.mean`` in ``blocks.0`` (model.py:38 ``x.mean(0)``): an op as a user finds it."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    op = (schema.name.replace("::", ".") if schema is not None
+          else getattr(target, "__name__", str(target)))
+    path = node.meta.get(MODULE_PATH) or ""
+    where = f"{op} in {path}" if path else op
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    if len(lines) >= 2 and lines[-2].startswith("File "):
+        match = re.match(r'File "([^"]+)", line (\d+)', lines[-2])
+        if match:
+            where += f" ({os.path.basename(match.group(1))}:{match.group(2)}: {lines[-1]})"
+    return where
+
+
+def _output_node(graph: torch.fx.Graph, ref: OutputRef) -> torch.fx.Node | None:
+    if ref.value is None:
+        return None
+    return next(n for n in graph.nodes if n.name == ref.value)
+
+
+def _tail(traced: TracedGraph, states: dict[torch.fx.Node, tuple],
+          outputs: Sequence[torch.fx.Node], state_names: set[str],
+          available: frozenset[str] | None) -> tuple[OutputTail | None, str]:
+    """The nodes from the per-sample values to ``outputs``, as a program."""
+    inside: set[torch.fx.Node] = set()
+    frontier: dict[str, tuple[str, int]] = {}  # value -> ("cat", dim) | ("first", 0)
+    stack = list(outputs)
+    while stack:
+        node = stack.pop()
+        if node in inside:
+            continue
+        inside.add(node)
+        for arg in node.all_input_nodes:
+            state = states.get(arg, R)
+            if arg.op == "placeholder" and arg.name in state_names:
+                spec = next(s for s in traced.state if s.name == arg.name)
+                if spec.kind == "parameter" and traced.state_tensors[arg.name].requires_grad:
+                    return None, (f"the output is computed from a mix of samples before "
+                                  f"{_where(node)} reads the trainable {spec.fqn}")
+                continue  # state the tail reads from the model
+            readable = available is None or arg.name in available
+            if arg.op == "get_attr":
+                inside.add(arg)
+            elif state[0] == "B" and state[2] == _ONE and readable:
+                frontier[arg.name] = ("cat", state[1])
+            elif state == R and readable:
+                frontier[arg.name] = ("first", 0)
+            elif arg.op == "placeholder":
+                return None, f"input {arg.name} is split along no single dimension"
+            else:  # mixed, or per-sample but not returned by the microbatches: recompute
+                stack.append(arg)
+    nodes = [n for n in traced.graph_module.graph.nodes if n in inside]
+    program = tail_program(traced, nodes)
+    if program.needs_rng:
+        return None, "the mix of samples draws random numbers"
+    inputs = tuple((v, *frontier[v]) for v in program.inputs)
+    return OutputTail(program=program, inputs=inputs, outputs=()), ""
+
+
+# --- transfer functions ----------------------------------------------------------------
+
+def _shape(node: Any) -> tuple:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    return ()
+
+
+def _ndim(node: Any) -> int:
+    return len(_shape(node))
+
+
+def _true(condition: Any) -> bool:
+    if isinstance(condition, bool):
+        return condition
+    try:
+        return statically_known_true(condition)
+    except Exception:  # noqa: BLE001 - not provable
+        return False
+
+
+def _eq(a: Any, b: Any) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return _true(a == b)
+
+
+def _st(value: Any, states: dict) -> tuple:
+    if isinstance(value, torch.fx.Node):
+        return states.get(value, R)
+    if isinstance(value, (list, tuple)):
+        inner = [_st(v, states) for v in value]
+        batched = [s for s in inner if s != R]
+        return batched[0] if len(batched) == 1 and len(inner) == 1 else (
+            R if not batched else ("list", tuple(inner)))
+    return R
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _norm(dim: int, nd: int) -> int:
+    return dim + nd if dim < 0 else dim
+
+
+def _name(node: torch.fx.Node) -> str:
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _transfer(node: torch.fx.Node, states: dict, batch: Any, traced: TracedGraph) -> tuple:
+    inputs = node.all_input_nodes
+    if all(states.get(a, R) == R for a in inputs):
+        return R
+    for a in inputs:
+        s = states.get(a, R)
+        if s[0] == "M":
+            raise _Mixing(s[1])
+    if node.op == "call_function" and node.target is operator.getitem:
+        s = states[node.args[0]]
+        if s == _OPAQUE:
+            return _opaque_result(node, batch)
+        if s[0] == "list":
+            return s[1][node.args[1]]
+        raise _Mixing(f"{_where(node)} indexes a batch value")
+    if node.op == "call_function" and node.target is call_module_functional:
+        return _opaque(node, states, traced)
+    if node.op == "call_function" and node.target is tensor_leaves:
+        s = states.get(node.args[0], R)
+        if s == _OPAQUE:
+            return _OPAQUE
+        raise _Mixing(f"{_where(node)} flattens a batch value")
+    if node.op != "call_function":
+        raise _Mixing(f"{_where(node)} is not an op roundpipe can follow")
+    if not hasattr(node.target, "_schema"):
+        return _python_scalar(node, states)
+    name = _name(node)
+    handler = _HANDLERS.get(name) or _HANDLERS.get(name.rstrip("_"))
+    if handler is not None:
+        return handler(node, states, batch)
+    if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        return _elementwise(node, states, batch)
+    raise _Mixing(f"{_where(node)}: roundpipe cannot prove it keeps samples apart")
+
+
+def _python_scalar(node: torch.fx.Node, states: dict) -> tuple:
+    """Arithmetic on sizes (``sym_size * 2``) and other Python-level calls."""
+    kinds = {states.get(a, R)[0] for a in node.all_input_nodes}
+    if kinds <= {"R", "S"}:
+        return S
+    raise _Mixing(f"{_where(node)} computes a Python value from batch tensors")
+
+
+def _opaque(node: torch.fx.Node, states: dict, traced: TracedGraph) -> tuple:
+    module = traced.graph_module.get_submodule(node.args[0].target)  # type: ignore[union-attr]
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._NormBase) and sub.training \
+                and not isinstance(sub, torch.nn.modules.instancenorm._InstanceNorm):
+            raise _Mixing(f"opaque {type(module).__name__} holds a BatchNorm in training mode")
+    for a in node.all_input_nodes:
+        s = states.get(a, R)
+        if s != R and not _rows(s, 0):
+            raise _Mixing(f"opaque {type(module).__name__} reads a batch value along "
+                          f"dimension {s[1] if s[0] == 'B' else '?'}")
+    if isinstance(node.meta.get("val"), torch.Tensor):
+        return _opaque_result(node, batch)
+    return _OPAQUE  # its results: see getitem
+
+
+_OPAQUE = ("opaque",)
+
+
+def _opaque_result(node: torch.fx.Node, batch: Any) -> tuple:
+    """A tensor an opaque per-sample module returned: batched along dimension 0 when
+    that dimension holds the batch."""
+    shape = _shape(node)
+    k = batch.per_sample(shape[0]) if shape else None
+    if k is not None:
+        return _b(0, _ONE, k)
+    raise _Mixing(f"{_where(node)}: an opaque module returned a value without the "
+                  "batch dimension")
+
+
+def _same(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """Ops that keep their first argument's layout of samples (copies, casts)."""
+    s = _st(node.args[0], states)
+    others = [states.get(a, R) for a in node.all_input_nodes if a is not node.args[0]]
+    if any(o != R for o in others):
+        return _elementwise(node, states, batch)
+    return s
+
+
+def _elementwise(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    out_nd = _ndim(node)
+    aligned: list[tuple] = []
+    for value in _tensor_args(node):
+        s = states.get(value, R)
+        nd = _ndim(value)
+        if s == S or s[0] == "I":
+            raise _Mixing(f"{_where(node)} computes with the batch size or the "
+                          "sample numbers")
+        if s[0] == "B":
+            aligned.append((out_nd - (nd - s[1]),) + tuple(s[2:]))
+        elif s[0] != "R":
+            raise _Mixing(f"{_where(node)} mixes a batch value it cannot align")
+    if not aligned or any(a[0] != aligned[0][0] or not batch.same(a[1], aligned[0][1])
+                          or not batch.same(a[2], aligned[0][2]) for a in aligned):
+        raise _Mixing(f"{_where(node)} combines batch dimensions that do not align")
+    d, m, k = aligned[0]
+    for value in _tensor_args(node):
+        if states.get(value, R) == R:
+            shape = _shape(value)
+            pos = d - (out_nd - len(shape))
+            if 0 <= pos < len(shape) and not _eq(shape[pos], 1):
+                raise _Mixing(f"{_where(node)} combines samples with a replicated "
+                              "tensor as long as the batch")
+    for a in node.args[1:]:
+        if isinstance(a, torch.fx.Node) and states.get(a, R) == S:
+            raise _Mixing(f"{_where(node)} computes with the batch size")
+    return _b(d, m, k)
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found = []
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.fx.Node):
+            if isinstance(v.meta.get("val"), torch.Tensor):
+                found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+    visit(node.args)
+    visit(tuple(node.kwargs.values()))
+    return found
+
+
+def _single(node: torch.fx.Node, states: dict) -> tuple[torch.fx.Node, int]:
+    """The op's one batch tensor argument and its batch dimension; the other tensor
+    arguments must be replicated."""
+    batched = [a for a in node.all_input_nodes
+               if states.get(a, R) != R and isinstance(a.meta.get("val"), torch.Tensor)]
+    if len(batched) != 1 or states[batched[0]][0] not in ("B", "I"):
+        raise _Mixing(f"{_where(node)} reads several batch values")
+    return batched[0], states[batched[0]][1]
+
+
+def _reshape(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    if x is not node.args[0]:
+        raise _Mixing(f"{_where(node)} takes its shape from a batch value")
+    sizes = [s for s in node.args[1:2] if isinstance(s, (list, tuple))]
+    if sizes and any(isinstance(s, torch.fx.Node) and states.get(s, R) not in (R, S)
+                     for s in sizes[0]):
+        raise _Mixing(f"{_where(node)} takes its shape from batch values")
+    s = states[x]
+    j, m, k = _regroup(_shape(x), s, _shape(node), batch, node)
+    return (s[0], j, m, k)
+
+
+def _regroup(shape_in: tuple, s: tuple, shape_out: tuple, batch: _Batch,
+             node: torch.fx.Node) -> tuple[int, Any, Any]:
+    """Where the batch lands when ``shape_in`` is reshaped to ``shape_out`` (row-major
+    order is kept): with ``Q`` elements before the batch factor and ``P`` after it, the
+    output dimension ``j`` of size ``m' * batch * k'`` with ``prod(out[:j]) * m' = Q``
+    and ``k' * prod(out[j+1:]) = P``."""
+    d, m, k = s[1], s[2], s[3]
+    before = batch.expr(_prod(shape_in[:d])) * m
+    after = k * batch.expr(_prod(shape_in[d + 1:]))
+    for j in range(len(shape_out)):
+        m2 = batch.quotient(before, _prod(shape_out[:j]))
+        k2 = batch.quotient(after, _prod(shape_out[j + 1:]))
+        if m2 is not None and k2 is not None and batch.same(shape_out[j],
+                                                             m2 * batch.size * k2):
+            return j, m2, k2
+    raise _Mixing(f"{_where(node)} reshapes the batch dimension into others")
+
+
+def _prod(sizes: Sequence[Any]) -> Any:
+    total: Any = 1
+    for s in sizes:
+        total = total * s
+    return total
+
+
+def _permute(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    dims = [_norm(int(i), _ndim(x)) for i in node.args[1]]
+    return _kind(states[x], dims.index(d))
+
+
+def _transpose(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    nd = _ndim(x)
+    if _name(node) in ("t", "numpy_T"):
+        a, b = 0, nd - 1
+    else:
+        a, b = _norm(int(node.args[1]), nd), _norm(int(node.args[2]), nd)
+    return _kind(states[x], b if d == a else a if d == b else d)
+
+
+def _unsqueeze(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    dim = _norm(int(node.args[1]), _ndim(x) + 1)
+    return _kind(states[x], d + 1 if dim <= d else d)
+
+
+def _squeeze(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    nd = _ndim(x)
+    shape = _shape(x)
+    dims = node.args[1] if len(node.args) > 1 else None
+    if dims is None:
+        dims = [i for i in range(nd) if _eq(shape[i], 1)]
+    elif not isinstance(dims, (list, tuple)):
+        dims = [dims]
+    dims = [_norm(int(i), nd) for i in dims if _eq(shape[_norm(int(i), nd)], 1)]
+    if d in dims:
+        raise _Mixing(f"{_where(node)} squeezes the batch dimension")
+    return _kind(states[x], d - sum(1 for i in dims if i < d))
+
+
+def _expand(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    if states.get(node.args[0], R) == R:  # expanded to the batch size: the same rows
+        return _sized_factory(node, states, batch)
+    x, d = _single(node, states)
+    out = _shape(node)
+    d2 = d + len(out) - _ndim(x)
+    if not batch.same(out[d2], _shape(x)[d]):
+        raise _Mixing(f"{_where(node)} expands the batch dimension")
+    return _kind(states[x], d2)
+
+
+def _slice(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    dim = _norm(int(_arg(node, 1, "dim", 0)), _ndim(x))
+    if dim != d:
+        return _kind(states[x], d)
+    start, end, step = (_arg(node, 2, "start"), _arg(node, 3, "end"), _arg(node, 4, "step", 1))
+    whole = start in (None, 0) and step == 1 and (
+        end is None or (isinstance(end, int) and end >= 2**62)
+        or batch.same(end, _shape(x)[d]))
+    if whole:
+        return _kind(states[x], d)
+    raise _Mixing(f"{_where(node)} slices the batch dimension")
+
+
+def _select(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    dim = _norm(int(node.args[1]), _ndim(x))
+    if dim == d:
+        raise _Mixing(f"{_where(node)} picks one sample")
+    return _kind(states[x], d - 1 if dim < d else d)
+
+
+def _split(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    name = _name(node)
+    nd = _ndim(x)
+    dim = _norm(int(_arg(node, 2 if name != "unbind" else 1, "dim",
+                         0 if name != "chunk" else 0)), nd) if name != "unbind" else \
+        _norm(int(_arg(node, 1, "dim", 0)), nd)
+    if dim == d:
+        raise _Mixing(f"{_where(node)} splits the batch dimension")
+    if name == "unbind":
+        return ("list", (_kind(states[x], d - 1 if dim < d else d),)
+                * len(node.meta.get("val", ())))
+    return ("list", (states[x],) * len(node.meta.get("val", ())))
+
+
+def _cat(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    tensors = node.args[0]
+    nd = _ndim(node)
+    dim = _norm(int(_arg(node, 1, "dim", 0)), nd)
+    found = {states.get(t, R) for t in tensors}
+    if len(found) != 1 or next(iter(found))[0] != "B":
+        raise _Mixing(f"{_where(node)} joins batch and replicated values")
+    state = next(iter(found))
+    d = state[1]
+    if _name(node) == "stack":
+        return _kind(state, d + 1 if dim <= d else d)
+    if dim == d:
+        raise _Mixing(f"{_where(node)} concatenates along the batch dimension")
+    return state
+
+
+def _reduction(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    nd = _ndim(x)
+    dims = _arg(node, 1, "dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        raise _Mixing(f"{_where(node)} reduces over the batch")
+    dims = [_norm(int(i), nd) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if d in dims:
+        raise _Mixing(f"{_where(node)} reduces over the batch")
+    keep = _arg(node, 2, "keepdim", False)
+    out = _kind(states[x], d if keep else d - sum(1 for i in dims if i < d))
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return ("list", (out,) * len(node.meta["val"]))
+    return out
+
+
+def _along(index: int, name: str, default: Any = None) -> Callable[..., tuple]:
+    """Ops working along one dimension (softmax, cumsum, sort): fine unless it is the
+    batch's."""
+    def handler(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+        x, d = _single(node, states)
+        if x is not node.args[0]:
+            raise _Mixing(f"{_where(node)} reads a batch value")
+        dim = _arg(node, index, name, default)
+        if dim is None or _norm(int(dim), max(1, _ndim(x))) == d:
+            raise _Mixing(f"{_where(node)} works along the batch dimension")
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            return ("list", (states[x],) * len(node.meta["val"]))
+        return states[x]
+    return handler
+
+
+def _full_reduction(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    raise _Mixing(f"{_where(node)} reduces over the batch")
+
+
+def _leading_batch(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """Ops that treat dimension 0 as independent samples (convolution, pooling,
+    interpolation, group norm): per-sample when the batch is dimension 0."""
+    x = node.args[0]
+    s = states.get(x, R)
+    if not _rows(s, 0):
+        raise _Mixing(f"{_where(node)} reads a batch value not along dimension 0")
+    for a in node.all_input_nodes:
+        if a is not x and states.get(a, R) != R:
+            raise _Mixing(f"{_where(node)} reads batch weights")
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return ("list", tuple(_b(0) for _ in node.meta["val"]))
+    return _b(0)
+
+
+def _pad(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    pads = node.args[1]
+    padded = len(pads) // 2  # the last dimensions, from the last one backwards
+    if d >= _ndim(x) - padded:
+        raise _Mixing(f"{_where(node)} pads the batch dimension")
+    return states[x]
+
+
+def _layer_norm(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    if x is not node.args[0]:
+        raise _Mixing(f"{_where(node)} normalises with batch weights")
+    normalized = node.args[1] if len(node.args) > 1 else ()
+    n = len(normalized) if isinstance(normalized, (list, tuple)) else 1
+    if _name(node) == "rms_norm" and isinstance(normalized, (list, tuple)):
+        n = len(normalized)
+    if d >= _ndim(x) - n:
+        raise _Mixing(f"{_where(node)} normalises over the batch")
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return ("list", tuple(states[x] for _ in node.meta["val"]))
+    return states[x]
+
+
+def _batch_norm(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    name = _name(node)
+    training = {"batch_norm": (5, "training"), "native_batch_norm": (5, "training"),
+                "_native_batch_norm_legit": (5, "training"),
+                "_native_batch_norm_legit_functional": (5, "training")}.get(name)
+    if name == "_native_batch_norm_legit_no_training":
+        is_training = False
+    elif training is not None:
+        is_training = bool(_arg(node, *training, False))
+    else:
+        is_training = True
+    if is_training:
+        raise _Mixing(f"{_where(node)} normalises with the statistics of the whole "
+                      "batch (BatchNorm in training mode)")
+    return _leading_batch(node, states, batch)
+
+
+def _linear(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    if x is not node.args[0] or d >= _ndim(x) - 1:
+        raise _Mixing(f"{_where(node)} contracts over the batch")
+    return states[x]
+
+
+def _matmul(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    a, b = node.args[0], node.args[1]
+    sa, sb = states.get(a, R), states.get(b, R)
+    na, nb, nout = _ndim(a), _ndim(b), _ndim(node)
+    name = _name(node)
+    if name in ("addmm", "baddbmm", "addbmm"):
+        bias, a, b = node.args[0], node.args[1], node.args[2]
+        if states.get(bias, R) != R:
+            raise _Mixing(f"{_where(node)} adds a batch value")
+        sa, sb = states.get(a, R), states.get(b, R)
+        na, nb = _ndim(a), _ndim(b)
+    out = None
+    if sa[0] == "B" and sb == R:
+        if na >= 2 and sa[1] <= na - 2:
+            out = nout - (na - sa[1]) if sa[1] < na - 2 or nb >= 2 else None
+            if sa[1] == na - 2:  # rows: stay rows
+                out = nout - 2 if nb >= 2 else nout - 1
+    elif sa == R and sb[0] == "B":
+        if nb >= 2 and sb[1] == nb - 1:  # columns: stay columns
+            out = nout - 1
+        elif nb >= 3 and sb[1] < nb - 2:
+            out = nout - (nb - sb[1])
+    elif sa[0] == "B" and sb[0] == "B":
+        da, db = nout - (na - sa[1]), nout - (nb - sb[1])
+        if da == db and sa[1] < na - 2 and sb[1] < nb - 2:
+            out = da
+    if out is None or out < 0:
+        raise _Mixing(f"{_where(node)} contracts over the batch")
+    layouts = {tuple(t[2:]) for t in (sa, sb) if t[0] == "B"}
+    if len(layouts) != 1:
+        raise _Mixing(f"{_where(node)} multiplies batch values laid out differently")
+    return ("B", out) + layouts.pop()
+
+
+def _embedding(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    weight, idx = node.args[0], node.args[1]
+    if states.get(weight, R) != R or states.get(idx, R)[0] != "B":
+        raise _Mixing(f"{_where(node)} looks up batch weights")
+    return states[idx]
+
+
+def _sdpa(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    q, k, v = node.args[0], node.args[1], node.args[2]
+    qs = [states.get(t, R) for t in (q, k, v)]
+    dims = {_ndim(node.args[0]) - (_ndim(t) - s[1]) for t, s in zip((q, k, v), qs)
+            if s[0] == "B"}
+    if len(dims) != 1 or any(s[0] == "B" and not _rows(s) for s in qs):
+        raise _Mixing(f"{_where(node)} attends across the batch")
+    d = dims.pop()
+    if d >= _ndim(q) - 2:
+        raise _Mixing(f"{_where(node)} attends across the batch")
+    for t, s in zip((q, k, v), qs):
+        if s == R:
+            shape = _shape(t)
+            pos = d - (_ndim(q) - len(shape))
+            if 0 <= pos < len(shape) and not _eq(shape[pos], 1):
+                raise _Mixing(f"{_where(node)} attends to replicated keys")
+    mask = _arg(node, 3, "attn_mask")
+    if isinstance(mask, torch.fx.Node):
+        ms = states.get(mask, R)
+        if ms[0] == "B" and _ndim(q) - (_ndim(mask) - ms[1]) != d:
+            raise _Mixing(f"{_where(node)} masks across the batch")
+        if ms == R:
+            shape = _shape(mask)
+            pos = d - (_ndim(q) - len(shape))
+            if 0 <= pos < len(shape) and not _eq(shape[pos], 1):
+                raise _Mixing(f"{_where(node)} masks with a tensor as long as the batch")
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return ("list", tuple(_b(d) if isinstance(o, torch.Tensor) and o.dim() > d else R
+                              for o in node.meta["val"]))
+    return _b(d)
+
+
+def _loss(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    reduction = _arg(node, {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_forward": 3,
+                            "nll_loss2d": 3, "binary_cross_entropy": 3,
+                            "binary_cross_entropy_with_logits": 4, "kl_div": 2,
+                            "smooth_l1_loss": 2, "huber_loss": 2}.get(_name(node), 2),
+                    "reduction", 1)
+    if reduction != 0:
+        raise _Mixing(f"{_where(node)} reduces a loss over the batch")
+    return _elementwise(node, states, batch)
+
+
+def _sym_size(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x = node.args[0]
+    s = states.get(x, R)
+    if s[0] != "B":
+        raise _Mixing(f"{_where(node)} reads the size of a mixed value")
+    if _name(node) == "sym_numel" or int(node.args[1]) == s[1]:
+        return S
+    return R
+
+
+def _factory_like(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """``zeros_like(x)`` and friends: x's layout of samples, values of their own."""
+    x = node.args[0]
+    return states.get(x, R) if states.get(x, R)[0] == "B" else _elementwise(node, states, batch)
+
+
+def _sized_factory(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """``zeros(B, T)``, ``full((B,), 1)``: constant values in a batch-long dimension;
+    ``arange(B)``: the sample numbers (``I``), for indexing a batch value by sample."""
+    name = _name(node)
+    if name == "arange" and len(node.args) == 1 and batch.size is not None \
+            and batch.same(_shape(node)[0], batch.size):
+        return _i(0)
+    if name in ("arange", "linspace", "randperm", "logspace"):
+        raise _Mixing(f"{_where(node)} numbers positions across the batch")
+    # new_zeros(x, size): x only gives the dtype and device
+    sized = node.all_input_nodes[1:] if name.startswith("new_") else node.all_input_nodes
+    if any(states.get(a, R) not in (R, S) for a in sized):
+        raise _Mixing(f"{_where(node)} reads batch values")
+    shape = _shape(node)
+    for j in range(len(shape)):  # constant values: each sample's slice is the same
+        k = batch.per_sample(shape[j])
+        if k is not None:
+            return _b(j, _ONE, k)
+    raise _Mixing(f"{_where(node)} is sized by the batch in a way roundpipe cannot "
+                  "follow")
+
+
+def _index_select(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, idx = node.args[0], node.args[2]
+    dim = _norm(int(node.args[1]), _ndim(x))
+    sx, si = states.get(x, R), states.get(idx, R)
+    if sx[0] == "B" and si == R and dim != sx[1]:
+        return sx
+    raise _Mixing(f"{_where(node)} selects across the batch")
+
+
+def _gather(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, idx = node.args[0], node.args[2]
+    dim = _norm(int(node.args[1]), max(1, _ndim(x)))
+    found = {states.get(t, R) for t in node.all_input_nodes}
+    found.discard(R)
+    if len(found) == 1 and next(iter(found))[0] == "B" and next(iter(found))[1] != dim \
+            and states.get(x, R) != R:
+        return next(iter(found))
+    raise _Mixing(f"{_where(node)} gathers across the batch")
+
+
+def _index(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """Advanced indexing ``x[i0, i1, ...]``: per sample when a batch value is indexed by
+    the sample numbers along its batch dimension (Hugging Face's masks:
+    ``padding_mask[batch_idx, kv_idx]``), or a replicated table by per-sample indices."""
+    x, indices = node.args[0], list(node.args[1])
+    sx = states.get(x, R)
+    positions = [k for k, i in enumerate(indices) if i is not None]
+    if not positions or positions != list(range(positions[0], positions[-1] + 1)):
+        raise _Mixing(f"{_where(node)} indexes in a way roundpipe cannot follow")
+    first = positions[0]
+    idx_states = {k: states.get(indices[k], R) for k in positions}
+    width = max(_ndim(indices[k]) for k in positions)  # broadcast rank of the indices
+    result: int | None = None
+    if sx[0] == "B":
+        if not _rows(sx):
+            raise _Mixing(f"{_where(node)} indexes a batch value laid out in blocks")
+        d = sx[1]
+        if d in positions:
+            si = idx_states[d]
+            if si[0] != "I" or any(s != R for k, s in idx_states.items() if k != d):
+                raise _Mixing(f"{_where(node)} indexes the batch dimension")
+            result = first + width - _ndim(indices[d]) + si[1]
+        else:
+            if any(s != R for s in idx_states.values()):
+                raise _Mixing(f"{_where(node)} indexes with batch values")
+            result = d if d < first else d - len(positions) + width
+    elif sx == R:
+        batched = [(k, s) for k, s in idx_states.items() if s != R]
+        if len(batched) != 1 or batched[0][1][0] != "B":
+            raise _Mixing(f"{_where(node)} indexes with batch values")
+        k, si = batched[0]
+        result = first + width - _ndim(indices[k]) + si[1]
+    if result is None:
+        raise _Mixing(f"{_where(node)} indexes a mixed value")
+    return _b(result)
+
+
+def _rnn(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """``aten.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``: each sequence on its own.
+    The input is batch-first (``B(0)``) or time-first (``B(1)``); the hidden states are
+    ``(layers, B, H)``."""
+    x = node.args[0]
+    hidden = node.args[1]
+    params = node.args[2]
+    batch_first = bool(node.args[-1])
+    sx = states.get(x, R)
+    expected = _b(0) if batch_first else _b(1)
+    if not _rows(sx, expected[1]):
+        raise _Mixing(f"{_where(node)} runs across the batch")
+    for h in (hidden if isinstance(hidden, (list, tuple)) else [hidden]):
+        if not _rows(states.get(h, R), 1):
+            raise _Mixing(f"{_where(node)} starts from hidden states shared by the batch")
+    if any(states.get(p, R) != R for p in params):
+        raise _Mixing(f"{_where(node)} has batch weights")
+    count = len(node.meta.get("val", ()))
+    return ("list", (expected,) + (_b(1),) * (count - 1))
+
+
+def _broadcast_tensors(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    tensors = node.args[0]
+    out_nd = max(_ndim(t) for t in tensors)
+    aligned = {(out_nd - (_ndim(t) - states[t][1]),) + tuple(states[t][2:]) for t in tensors
+               if states.get(t, R)[0] == "B"}
+    if len(aligned) != 1 or any(states.get(t, R) not in (R,) and states[t][0] != "B"
+                                for t in tensors):
+        raise _Mixing(f"{_where(node)} aligns batch dimensions that do not match")
+    d, m, k = aligned.pop()
+    for t in tensors:
+        if states.get(t, R) == R:
+            shape = _shape(t)
+            pos = d - (out_nd - len(shape))
+            if 0 <= pos < len(shape) and not _eq(shape[pos], 1):
+                raise _Mixing(f"{_where(node)} broadcasts a tensor as long as the batch")
+    return ("list", (_b(d, m, k),) * len(tensors))
+
+
+def _rowwise(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """Ops that work on each row (the last dimension) on its own: ``multinomial``."""
+    x, d = _single(node, states)
+    if d >= _ndim(x) - 1:
+        raise _Mixing(f"{_where(node)} works along the batch dimension")
+    return states[x]
+
+
+def _masked_fill(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    return _elementwise(node, states, batch)
+
+
+_SAME = ["clone", "contiguous", "detach", "alias", "_to_copy", "to", "type_as",
+         "lift_fresh_copy", "_assert_tensor_metadata", "dropout", "native_dropout",
+         "feature_dropout", "alpha_dropout", "bernoulli", "tril", "triu", "copy",
+         "_to_dtype", "view_as_real", "view_as_complex", "real", "imag", "conj",
+         "resolve_conj", "resolve_neg", "_conj", "fill", "zero", "normal", "uniform",
+         "exponential", "random", "cauchy", "geometric", "log_normal"]
+
+_HANDLERS: dict[str, Callable[[torch.fx.Node, dict, Any], tuple]] = {
+    **{n: _same for n in _SAME},
+    **{n: _reshape for n in ("view", "_unsafe_view", "reshape", "view_copy",
+                             "_reshape_alias", "flatten", "unflatten")},
+    "permute": _permute, "transpose": _transpose, "t": _transpose, "swapaxes": _transpose,
+    "swapdims": _transpose,
+    "unsqueeze": _unsqueeze, "squeeze": _squeeze, "expand": _expand, "expand_as": _expand,
+    "slice": _slice, "select": _select, "narrow": _slice,
+    **{n: _split for n in ("split", "split_with_sizes", "chunk", "unbind", "tensor_split",
+                           "unsafe_split", "unsafe_chunk")},
+    "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
+    **{n: _reduction for n in ("sum", "mean", "amax", "amin", "max", "min", "var", "std",
+                               "var_mean", "std_mean", "logsumexp", "argmax", "argmin",
+                               "prod", "any", "all", "norm", "linalg_vector_norm",
+                               "count_nonzero", "nansum", "nanmean", "median", "mode")},
+    **{n: _along(1, "dim") for n in ("softmax", "_softmax", "log_softmax", "_log_softmax",
+                                     "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
+                                     "sort", "argsort", "flip", "roll", "special_softmax",
+                                     "_safe_softmax")},
+    "topk": _along(2, "dim", -1), "kthvalue": _along(2, "dim", -1),
+    "layer_norm": _layer_norm, "native_layer_norm": _layer_norm, "rms_norm": _layer_norm,
+    "_fused_rms_norm": _layer_norm,
+    **{n: _batch_norm for n in ("batch_norm", "native_batch_norm",
+                                "_native_batch_norm_legit",
+                                "_native_batch_norm_legit_no_training",
+                                "_native_batch_norm_legit_functional")},
+    **{n: _leading_batch for n in (
+        "convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "_convolution", "max_pool1d", "max_pool2d", "max_pool3d",
+        "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d",
+        "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+        "_adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+        "upsample_bilinear2d", "upsample_bicubic2d", "upsample_linear1d", "_upsample_nearest_exact2d",
+        "_upsample_bilinear2d_aa", "group_norm", "native_group_norm", "instance_norm",
+        "pixel_shuffle", "pixel_unshuffle", "im2col", "col2im", "grid_sampler",
+        "grid_sampler_2d", "reflection_pad1d", "reflection_pad2d",
+        "replication_pad1d", "replication_pad2d", "channel_shuffle")},
+    **{n: _pad for n in ("constant_pad_nd", "pad")},
+    "linear": _linear,
+    **{n: _matmul for n in ("matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm")},
+    "embedding": _embedding,
+    **{n: _sdpa for n in ("scaled_dot_product_attention",
+                          "_scaled_dot_product_flash_attention_for_cpu",
+                          "_scaled_dot_product_flash_attention",
+                          "_scaled_dot_product_efficient_attention",
+                          "_scaled_dot_product_cudnn_attention")},
+    **{n: _loss for n in ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d",
+                          "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+                          "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                          "kl_div", "soft_margin_loss", "hinge_embedding_loss")},
+    "sym_size": _sym_size, "sym_numel": _sym_size,
+    **{n: _factory_like for n in ("zeros_like", "ones_like", "full_like", "empty_like",
+                                  "rand_like", "randn_like", "randint_like")},
+    **{n: _sized_factory for n in ("zeros", "ones", "full", "empty", "empty_strided",
+                                   "new_zeros", "new_ones", "new_full", "new_empty",
+                                   "arange", "linspace", "logspace", "randperm", "rand",
+                                   "randn", "randint", "scalar_tensor")},
+    "index_select": _index_select, "gather": _gather, "index": _index,
+    **{n: _rnn for n in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
+    "broadcast_tensors": _broadcast_tensors, "multinomial": _rowwise,
+    **{n: _elementwise for n in ("__and__", "__or__", "__xor__", "__invert__",
+                                 "__lshift__", "__rshift__", "bitwise_not",
+                                 "logical_and", "logical_or", "logical_xor")},
+    "masked_fill": _masked_fill, "where": _masked_fill,
+    **{n: _full_reduction for n in ("item", "_local_scalar_dense", "nonzero",
+                                    "masked_select", "unique", "_unique2", "bincount")},
+}

@@ -1,0 +1,223 @@
+"""``pipe(x)`` returns what eager ``model(x)`` returns on the whole batch, for every output,
+or raises a MergeError naming the output and the ``merge_output`` choices.
+
+Outputs computed sample by sample are concatenated; outputs that mix samples (means,
+sums, sizes, a Hugging Face model's mean loss over the tokens it does not ignore) are
+recomputed once on the whole batch from the per-sample values they depend on
+(``passes/output_merge.py``).  They used to be added (``x.mean()`` doubled, HF losses
+``num_microbatch`` times too large) or taken from the first microbatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hf_models as hf
+from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe.errors import MergeError
+
+
+class Reductions(nn.Module):
+    """The issue's model: a per-sample output, a mean over the batch, a mean over
+    everything and the batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x, x.mean(0), x.mean(), x.shape[0]
+
+
+@dataclasses.dataclass
+class Out:
+    value: torch.Tensor
+    total: torch.Tensor
+
+
+torch.utils._pytree.register_dataclass(Out)
+
+REDUCTIONS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "sum": lambda h: h.sum(),
+    "mean": lambda h: h.mean(),
+    "mean0": lambda h: h.mean(0),
+    "sum0_keepdim": lambda h: h.sum(0, keepdim=True),
+    "max0": lambda h: h.amax(0),
+    "std": lambda h: h.std(),
+    "logsumexp0": lambda h: torch.logsumexp(h, 0),
+    "size": lambda h: h.shape[0] * 2,
+    "numel": lambda h: torch.tensor(h.numel(), dtype=h.dtype),
+    "normalized": lambda h: h / h.norm(),
+    "centered": lambda h: h - h.mean(0, keepdim=True),
+    "time_major": lambda h: h.t(),
+    "flattened": lambda h: h.reshape(-1),
+    "dict": lambda h: {"per_sample": h * 2, "mean": h.mean()},
+    "dataclass": lambda h: Out(h, h.sum()),
+    "gram": lambda h: h.t() @ h,
+}
+
+
+class Reducing(nn.Module):
+    def __init__(self, reduce: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> Any:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.reduce(x)
+
+
+def _floats(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _check(model: nn.Module, x: torch.Tensor, devices: int, num_mb: int) -> None:
+    eager = copy.deepcopy(model)
+    with RoundPipe(model, devices=["cpu"] * devices,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=num_mb)) as pipe:
+        out = pipe(x)
+        ref = eager(x)
+        got, want = torch.utils._pytree.tree_flatten(out), torch.utils._pytree.tree_flatten(ref)
+        assert got[1] == want[1]
+        for a, b in zip(got[0], want[0]):
+            if isinstance(b, torch.Tensor):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+            else:
+                assert a == b
+        # gradients through every floating output equal eager's
+        if not any(o.requires_grad for o in _floats(ref)):
+            return
+        sum(o.sum() * (i + 1) for i, o in enumerate(_floats(out))).backward()
+        sum(o.sum() * (i + 1) for i, o in enumerate(_floats(ref))).backward()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("devices, num_mb, batch", [(1, 3, 6), (2, 3, 7), (3, 4, 9)])
+def test_batch_reduced_outputs_equal_eager(devices: int, num_mb: int, batch: int) -> None:
+    torch.manual_seed(0)
+    _check(Reductions().double(), torch.randn(batch, 4, dtype=torch.double), devices, num_mb)
+
+
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+def test_every_kind_of_output_equals_eager(name: str) -> None:
+    torch.manual_seed(0)
+    _check(Reducing(REDUCTIONS[name]).double(), torch.randn(7, 4, dtype=torch.double), 2, 3)
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("devices", [1, 3])
+def test_hugging_face_loss_equals_eager(train: bool, devices: int) -> None:
+    """The model's own loss is a mean over the tokens whose label is not -100: the rows
+    of the batch have different counts of those, so no rule on per-microbatch losses
+    gives it; it is recomputed on the whole batch."""
+    model = hf.build("llama", torch.float64).train(train)
+    eager = copy.deepcopy(model)
+    inputs, labels = hf.batch("llama")
+    labels[1, 2:] = -100  # rows ignore different numbers of tokens
+    with RoundPipe(model, devices=["cpu"] * devices,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        out = pipe(**inputs, labels=labels)
+        ref = eager(**inputs, labels=labels)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-10, atol=1e-12)
+        out.loss.backward()
+        ref.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+        with torch.no_grad():  # validation
+            torch.testing.assert_close(pipe(**inputs, labels=labels).loss, ref.loss,
+                                       rtol=1e-12, atol=0)
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+                                    for _ in range(2))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_an_output_that_cannot_be_merged_exactly_is_an_error() -> None:
+    """BatchNorm in training mode normalises each microbatch by its own statistics: no
+    merge gives eager's whole-batch result.  The error names the output, the op and the
+    ways out; asking for per-microbatch results works."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, dtype=torch.double)
+    with RoundPipe(Normed().double(), devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        with pytest.raises(MergeError) as error:
+            pipe(x)
+        message = str(error.value)
+        for part in ("the output", "batch_norm", "blocks.0", "merge_output", "num_microbatch=1"):
+            assert part in message, part
+        assert pipe(x, run_config=RoundPipeRunConfig(merge_output=0)).shape == (6, 1)
+        assert pipe(x, run_config=RoundPipeRunConfig(num_microbatch=1)).shape == (6, 1)
+        pipe.model.eval()  # running statistics: per sample again
+        eager = copy.deepcopy(pipe.model)
+        torch.testing.assert_close(pipe(x), eager(x), rtol=1e-12, atol=1e-12)
+
+
+def test_forward_backward_outputs_keep_per_microbatch_results_where_none_is_exact() -> None:
+    """forward_backward's outputs, like its loss, are per microbatch where no exact merge
+    exists (BatchNorm in training), and exact where one does."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, dtype=torch.double)
+    with RoundPipe(Normed().double(), devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        _, out = pipe.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.sum(),
+                                       return_outputs=True)
+        assert out.shape == (6, 1)
+    with RoundPipe(Reductions().double(), devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        eager = copy.deepcopy(pipe.model)
+        _, out = pipe.forward_backward(input_args=(x,), loss_fn=lambda o, _: o[0].sum(),
+                                       return_outputs=True)
+        ref = eager(x)
+        torch.testing.assert_close(out[2], ref[2], rtol=1e-12, atol=0)
+        assert out[3] == 6
+
+
+def test_plan_shows_the_last_calls_run_config() -> None:
+    """pipe.plan is the plan of the most recent call, per-call overrides included."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, dtype=torch.double)
+    with RoundPipe(Reducing(REDUCTIONS["mean0"]).double(), devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        pipe(x)
+        assert pipe.plan.num_microbatch == 2
+        pipe(x, run_config=RoundPipeRunConfig(num_microbatch=4))
+        assert pipe.plan.num_microbatch == 4
+        pipe(x)
+        assert pipe.plan.num_microbatch == 2
+        assert len(pipe.plans) == 1  # one program, partitioned again without tracing
+
+
+def test_save_pretrained_writes_the_users_use_cache(tmp_path) -> None:
+    model = hf.build("llama")
+    assert model.config.use_cache is True
+    with RoundPipe(model, devices=["cpu"]) as pipe:
+        assert model.config.use_cache is False  # off for training
+        pipe.save_pretrained(tmp_path)
+        assert model.config.use_cache is False
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["use_cache"] is True
