@@ -13,9 +13,9 @@ from .api import RoundPipe, compile
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import RoundPipeRunConfig
 from .grad_scaler import GradScaler
-from .errors import (ConfigError, InputError, LossError, ModelError, OutOfMemoryError,
-                     PartitionError, RoundPipeError, StageError, StepError, TraceError,
-                     UnknownConfigFieldError)
+from .errors import (ConfigError, InputError, LossError, MergeError, ModelError,
+                     OutOfMemoryError, PartitionError, RoundPipeError, StageError, StepError,
+                     TraceError, UnknownConfigFieldError)
 from .errors import DataParallelError, ReplicaError
 from .runtime.data_parallel import DataParallelConfig
 from .plan import StagePlan
@@ -61,6 +61,7 @@ __all__ = [
     "PartitionError",
     "InputError",
     "LossError",
+    "MergeError",
     "StageError",
     "StepError",
     "OutOfMemoryError",
