@@ -221,3 +221,61 @@ def test_save_pretrained_writes_the_users_use_cache(tmp_path) -> None:
         assert model.config.use_cache is False
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["use_cache"] is True
+
+
+# --- never a silently different number -------------------------------------------------------
+
+_TABLE = torch.randn(16, 4, dtype=torch.double)  # replicated, sliced to the batch size
+
+TRICKY: dict[str, Callable[[torch.Tensor], Any]] = {
+    "roll_batch": lambda h: torch.roll(h, 1, 0),
+    "roll_features": lambda h: torch.roll(h, 1, 1),
+    "flip_batch": lambda h: h.flip(0),
+    "norm_p_dim1": lambda h: torch.norm(h, 2, 1),
+    "norm_p_dim0": lambda h: torch.norm(h, 2, 0),
+    "vector_norm": lambda h: torch.linalg.vector_norm(h, 2, dim=1),
+    "gather_replicated_index": lambda h: torch.gather(h, 1, torch.zeros(1, 2, dtype=torch.long)),
+    "gather_own_index": lambda h: torch.gather(h, 1, h.argmax(1, keepdim=True)),
+    "full_batch_size": lambda h: h + torch.full((h.shape[0], 1), h.shape[0], dtype=h.dtype),
+    "tril_over_batch": lambda h: torch.tril(h),
+    "tril_per_sample": lambda h: torch.tril(h.unsqueeze(2) * h.unsqueeze(1)),
+    "hinge_mean": lambda h: F.hinge_embedding_loss(h, torch.ones_like(h)),
+    "mse_none": lambda h: F.mse_loss(h, torch.zeros_like(h), reduction="none"),
+    "replicated_rows": lambda h: h * _TABLE[:h.shape[0]],
+    "bmm_replicated": lambda h: torch.bmm(h.unsqueeze(1), torch.ones(h.shape[0], 4, 2,
+                                                                      dtype=h.dtype)),
+    "cumsum_batch": lambda h: h.cumsum(0),
+    "sort_features": lambda h: h.sort(1).values,
+    "topk_batch": lambda h: h.topk(2, 0).values,
+    "softmax_batch": lambda h: h.softmax(0),
+    "index_sample_numbers": lambda h: h[torch.arange(h.shape[0]), h.argmax(1)],
+    "index_replicated_rows": lambda h: h[torch.zeros(h.shape[0], dtype=torch.long)],
+    "cat_batch": lambda h: torch.cat([h, h], 0),
+    "stack_batch": lambda h: torch.stack([h, h], 1),
+    "expand_mean": lambda h: h.mean(0, keepdim=True).expand(h.shape),
+    "var_keepdim": lambda h: h.var(1, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRICKY))
+def test_an_output_equals_eager_or_the_call_refuses(name: str) -> None:
+    """Ops whose arguments are easy to misread (a dim after a ``p``, ``shifts`` before
+    ``dims``, a replicated index): the output is eager's, or MergeError; never another
+    number."""
+    torch.manual_seed(0)
+    model = Reducing(TRICKY[name]).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(7, 4, dtype=torch.double)
+    with RoundPipe(model, devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        try:
+            with torch.no_grad():
+                out = pipe(x)
+        except MergeError:
+            return
+        with torch.no_grad():
+            ref = eager(x)
+        for a, b in zip(torch.utils._pytree.tree_leaves(out),
+                        torch.utils._pytree.tree_leaves(ref)):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)

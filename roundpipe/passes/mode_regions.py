@@ -239,13 +239,22 @@ def inference_mode_as_no_grad() -> Iterator[None]:
     through an inference tensor)."""
     cls = torch.inference_mode
     enter, exit_ = cls.__enter__, cls.__exit__
+    tracing_thread = threading.get_ident()
 
+    # Only the tracing thread's blocks change: other threads (workers of other pipes
+    # running opaque modules) keep inference mode, and a block entered before the patch
+    # leaves as it entered.
     def as_grad_mode_enter(self: Any) -> None:
+        if threading.get_ident() != tracing_thread:
+            return enter(self)
         self._roundpipe_grad_mode = torch.set_grad_enabled(not self.mode)
         self._roundpipe_grad_mode.__enter__()
 
     def as_grad_mode_exit(self: Any, *exc: Any) -> None:
-        self._roundpipe_grad_mode.__exit__(*exc)
+        grad_mode = self.__dict__.pop("_roundpipe_grad_mode", None)
+        if grad_mode is None:
+            return exit_(self, *exc)
+        grad_mode.__exit__(*exc)
 
     cls.__enter__, cls.__exit__ = as_grad_mode_enter, as_grad_mode_exit  # type: ignore
     try:

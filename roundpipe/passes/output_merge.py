@@ -38,7 +38,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..ops.modcall import call_module_functional, tensor_leaves
+from ..ops.modcall import call_module_functional
 from ..plan import MergeRule, OutputMergePlan, OutputRef, OutputTail
 from .codegen import tail_program
 from .trace import MODULE_PATH, MUTATES, TracedGraph
@@ -325,6 +325,23 @@ def _arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any
     return node.kwargs.get(name, default)
 
 
+def _named(node: torch.fx.Node, name: str, default: Any = None) -> Any:
+    """The argument called ``name`` in the op's schema (positions differ between ops:
+    ``norm(x, p, dim)``, ``roll(x, shifts, dims)``, ``hinge_embedding_loss(x, t, margin,
+    reduction)``); ``default`` where the op has no such argument or it is not given."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.kwargs.get(name, default)
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == name:
+            if i < len(node.args):
+                return node.args[i]
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return arg.default_value if arg.has_default_value() else default
+    return default
+
+
 def _norm(dim: int, nd: int) -> int:
     return dim + nd if dim < 0 else dim
 
@@ -347,18 +364,11 @@ def _transfer(node: torch.fx.Node, states: dict, batch: Any, traced: TracedGraph
             raise _Mixing(s[1])
     if node.op == "call_function" and node.target is operator.getitem:
         s = states[node.args[0]]
-        if s == _OPAQUE:
-            return _opaque_result(node, batch)
         if s[0] == "list":
             return s[1][node.args[1]]
         raise _Mixing(f"{_where(node)} indexes a batch value")
     if node.op == "call_function" and node.target is call_module_functional:
         return _opaque(node, states, traced)
-    if node.op == "call_function" and node.target is tensor_leaves:
-        s = states.get(node.args[0], R)
-        if s == _OPAQUE:
-            return _OPAQUE
-        raise _Mixing(f"{_where(node)} flattens a batch value")
     if node.op != "call_function":
         raise _Mixing(f"{_where(node)} is not an op roundpipe can follow")
     if not hasattr(node.target, "_schema"):
@@ -381,33 +391,13 @@ def _python_scalar(node: torch.fx.Node, states: dict) -> tuple:
 
 
 def _opaque(node: torch.fx.Node, states: dict, traced: TracedGraph) -> tuple:
+    """A leaf module's call on batch values: its Python is not in the graph, so nothing
+    proves it keeps samples apart (a normalisation over the batch inside it would be
+    merged wrongly)."""
     module = traced.graph_module.get_submodule(node.args[0].target)  # type: ignore[union-attr]
-    for sub in module.modules():
-        if isinstance(sub, torch.nn.modules.batchnorm._NormBase) and sub.training \
-                and not isinstance(sub, torch.nn.modules.instancenorm._InstanceNorm):
-            raise _Mixing(f"opaque {type(module).__name__} holds a BatchNorm in training mode")
-    for a in node.all_input_nodes:
-        s = states.get(a, R)
-        if s != R and not _rows(s, 0):
-            raise _Mixing(f"opaque {type(module).__name__} reads a batch value along "
-                          f"dimension {s[1] if s[0] == 'B' else '?'}")
-    if isinstance(node.meta.get("val"), torch.Tensor):
-        return _opaque_result(node, batch)
-    return _OPAQUE  # its results: see getitem
-
-
-_OPAQUE = ("opaque",)
-
-
-def _opaque_result(node: torch.fx.Node, batch: Any) -> tuple:
-    """A tensor an opaque per-sample module returned: batched along dimension 0 when
-    that dimension holds the batch."""
-    shape = _shape(node)
-    k = batch.per_sample(shape[0]) if shape else None
-    if k is not None:
-        return _b(0, _ONE, k)
-    raise _Mixing(f"{_where(node)}: an opaque module returned a value without the "
-                  "batch dimension")
+    raise _Mixing(f"{type(module).__name__} at {node.meta.get(MODULE_PATH, '?')} runs as "
+                  "Python roundpipe cannot see into (a leaf module), so whether it keeps "
+                  "samples apart is not proven")
 
 
 def _same(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
@@ -416,6 +406,8 @@ def _same(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     others = [states.get(a, R) for a in node.all_input_nodes if a is not node.args[0]]
     if any(o != R for o in others):
         return _elementwise(node, states, batch)
+    if isinstance(node.meta.get("val"), (tuple, list)):  # native_dropout: (out, mask)
+        return ("list", (s,) * len(node.meta["val"]))
     return s
 
 
@@ -447,6 +439,14 @@ def _elementwise(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
         if isinstance(a, torch.fx.Node) and states.get(a, R) == S:
             raise _Mixing(f"{_where(node)} computes with the batch size")
     return _b(d, m, k)
+
+
+def _broadcasts_past(shape: tuple, out_nd: int, d: int) -> bool:
+    """Whether a replicated operand of ``shape``, broadcast to ``out_nd`` dimensions, has
+    no extent along output dimension ``d`` (the batch's): else each sample would meet a
+    different slice of it, by its position in the batch."""
+    pos = d - (out_nd - len(shape))
+    return not (0 <= pos < len(shape)) or _eq(shape[pos], 1)
 
 
 def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -615,34 +615,46 @@ def _cat(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 
 def _reduction(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     x, d = _single(node, states)
+    if x is not node.args[0]:
+        raise _Mixing(f"{_where(node)} reduces with batch values")
     nd = _ndim(x)
-    dims = _arg(node, 1, "dim")
+    dims = _named(node, "dim")
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         raise _Mixing(f"{_where(node)} reduces over the batch")
     dims = [_norm(int(i), nd) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
     if d in dims:
         raise _Mixing(f"{_where(node)} reduces over the batch")
-    keep = _arg(node, 2, "keepdim", False)
+    keep = bool(_named(node, "keepdim", False))
     out = _kind(states[x], d if keep else d - sum(1 for i in dims if i < d))
     if isinstance(node.meta.get("val"), (tuple, list)):
         return ("list", (out,) * len(node.meta["val"]))
     return out
 
 
-def _along(index: int, name: str, default: Any = None) -> Callable[..., tuple]:
-    """Ops working along one dimension (softmax, cumsum, sort): fine unless it is the
-    batch's."""
+def _along(name: str = "dim") -> Callable[..., tuple]:
+    """Ops working along dimensions named ``name`` in their schema (softmax, cumsum,
+    sort, flip, roll): fine unless one of them is the batch's."""
     def handler(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
         x, d = _single(node, states)
         if x is not node.args[0]:
             raise _Mixing(f"{_where(node)} reads a batch value")
-        dim = _arg(node, index, name, default)
-        if dim is None or _norm(int(dim), max(1, _ndim(x))) == d:
+        dim = _named(node, name)
+        dims = dim if isinstance(dim, (list, tuple)) else [dim]
+        nd = max(1, _ndim(x))
+        if dim is None or not dims or any(_norm(int(i), nd) == d for i in dims):
             raise _Mixing(f"{_where(node)} works along the batch dimension")
         if isinstance(node.meta.get("val"), (tuple, list)):
             return ("list", (states[x],) * len(node.meta["val"]))
         return states[x]
     return handler
+
+
+def _last_two(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """Ops on the last two dimensions as a matrix (``tril``, ``triu``)."""
+    x, d = _single(node, states)
+    if d >= _ndim(x) - 2:
+        raise _Mixing(f"{_where(node)} treats the batch dimension as a matrix's")
+    return states[x]
 
 
 def _full_reduction(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
@@ -740,6 +752,16 @@ def _matmul(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
             out = da
     if out is None or out < 0:
         raise _Mixing(f"{_where(node)} contracts over the batch")
+    # A replicated operand must not vary along the batch: its broadcast dimensions (all
+    # but the matrix's two) and an added bias (broadcast like an elementwise op).
+    for t, st in ((a, sa), (b, sb)):
+        shape = _shape(t)
+        if st == R and len(shape) >= 3 and out < nout - 2 \
+                and not _broadcasts_past(shape[:-2], nout - 2, out):
+            raise _Mixing(f"{_where(node)} pairs each sample with a replicated slice")
+    if name in ("addmm", "baddbmm", "addbmm") \
+            and not _broadcasts_past(_shape(node.args[0]), nout, out):
+        raise _Mixing(f"{_where(node)} adds a replicated bias that varies along the batch")
     layouts = {tuple(t[2:]) for t in (sa, sb) if t[0] == "B"}
     if len(layouts) != 1:
         raise _Mixing(f"{_where(node)} multiplies batch values laid out differently")
@@ -786,11 +808,7 @@ def _sdpa(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 
 
 def _loss(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    reduction = _arg(node, {"cross_entropy_loss": 3, "nll_loss": 3, "nll_loss_forward": 3,
-                            "nll_loss2d": 3, "binary_cross_entropy": 3,
-                            "binary_cross_entropy_with_logits": 4, "kl_div": 2,
-                            "smooth_l1_loss": 2, "huber_loss": 2}.get(_name(node), 2),
-                    "reduction", 1)
+    reduction = _named(node, "reduction", 1)
     if reduction != 0:
         raise _Mixing(f"{_where(node)} reduces a loss over the batch")
     return _elementwise(node, states, batch)
@@ -825,6 +843,9 @@ def _sized_factory(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     sized = node.all_input_nodes[1:] if name.startswith("new_") else node.all_input_nodes
     if any(states.get(a, R) not in (R, S) for a in sized):
         raise _Mixing(f"{_where(node)} reads batch values")
+    fill = _named(node, "fill_value")
+    if isinstance(fill, torch.fx.Node) and states.get(fill, R) != R:
+        raise _Mixing(f"{_where(node)} fills with the batch size")
     shape = _shape(node)
     for j in range(len(shape)):  # constant values: each sample's slice is the same
         k = batch.per_sample(shape[j])
@@ -846,11 +867,9 @@ def _index_select(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 def _gather(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     x, idx = node.args[0], node.args[2]
     dim = _norm(int(node.args[1]), max(1, _ndim(x)))
-    found = {states.get(t, R) for t in node.all_input_nodes}
-    found.discard(R)
-    if len(found) == 1 and next(iter(found))[0] == "B" and next(iter(found))[1] != dim \
-            and states.get(x, R) != R:
-        return next(iter(found))
+    sx, si = states.get(x, R), states.get(idx, R)
+    if _rows(sx) and si == sx and sx[1] != dim:  # each sample's rows from its own
+        return sx
     raise _Mixing(f"{_where(node)} gathers across the batch")
 
 
@@ -867,6 +886,8 @@ def _index(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     idx_states = {k: states.get(indices[k], R) for k in positions}
     width = max(_ndim(indices[k]) for k in positions)  # broadcast rank of the indices
     result: int | None = None
+    layout: tuple = _b(0)
+    sample_index: int | None = None  # the index tensor that carries the samples
     if sx[0] == "B":
         if not _rows(sx):
             raise _Mixing(f"{_where(node)} indexes a batch value laid out in blocks")
@@ -875,7 +896,7 @@ def _index(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
             si = idx_states[d]
             if si[0] != "I" or any(s != R for k, s in idx_states.items() if k != d):
                 raise _Mixing(f"{_where(node)} indexes the batch dimension")
-            result = first + width - _ndim(indices[d]) + si[1]
+            sample_index = d
         else:
             if any(s != R for s in idx_states.values()):
                 raise _Mixing(f"{_where(node)} indexes with batch values")
@@ -884,11 +905,17 @@ def _index(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
         batched = [(k, s) for k, s in idx_states.items() if s != R]
         if len(batched) != 1 or batched[0][1][0] != "B":
             raise _Mixing(f"{_where(node)} indexes with batch values")
-        k, si = batched[0]
-        result = first + width - _ndim(indices[k]) + si[1]
+        sample_index, layout = batched[0]
+    if sample_index is not None:
+        si = idx_states[sample_index]
+        at = width - _ndim(indices[sample_index]) + si[1]  # in the indices' broadcast
+        for k in positions:
+            if k != sample_index and not _broadcasts_past(_shape(indices[k]), width, at):
+                raise _Mixing(f"{_where(node)} pairs samples with replicated indices")
+        result = first + at
     if result is None:
         raise _Mixing(f"{_where(node)} indexes a mixed value")
-    return _b(result)
+    return _kind(layout, result)
 
 
 def _rnn(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
@@ -944,7 +971,7 @@ def _masked_fill(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 
 _SAME = ["clone", "contiguous", "detach", "alias", "_to_copy", "to", "type_as",
          "lift_fresh_copy", "_assert_tensor_metadata", "dropout", "native_dropout",
-         "feature_dropout", "alpha_dropout", "bernoulli", "tril", "triu", "copy",
+         "feature_dropout", "alpha_dropout", "bernoulli", "copy",
          "_to_dtype", "view_as_real", "view_as_complex", "real", "imag", "conj",
          "resolve_conj", "resolve_neg", "_conj", "fill", "zero", "normal", "uniform",
          "exponential", "random", "cauchy", "geometric", "log_normal"]
@@ -964,11 +991,12 @@ _HANDLERS: dict[str, Callable[[torch.fx.Node, dict, Any], tuple]] = {
                                "var_mean", "std_mean", "logsumexp", "argmax", "argmin",
                                "prod", "any", "all", "norm", "linalg_vector_norm",
                                "count_nonzero", "nansum", "nanmean", "median", "mode")},
-    **{n: _along(1, "dim") for n in ("softmax", "_softmax", "log_softmax", "_log_softmax",
-                                     "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
-                                     "sort", "argsort", "flip", "roll", "special_softmax",
-                                     "_safe_softmax")},
-    "topk": _along(2, "dim", -1), "kthvalue": _along(2, "dim", -1),
+    **{n: _along() for n in ("softmax", "_softmax", "log_softmax", "_log_softmax",
+                             "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
+                             "sort", "argsort", "special_softmax", "_safe_softmax", "topk",
+                             "kthvalue")},
+    "flip": _along("dims"), "roll": _along("dims"),
+    "tril": _last_two, "triu": _last_two,
     "layer_norm": _layer_norm, "native_layer_norm": _layer_norm, "rms_norm": _layer_norm,
     "_fused_rms_norm": _layer_norm,
     **{n: _batch_norm for n in ("batch_norm", "native_batch_norm",
