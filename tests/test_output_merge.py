@@ -279,3 +279,27 @@ def test_an_output_equals_eager_or_the_call_refuses(name: str) -> None:
                         torch.utils._pytree.tree_leaves(ref)):
             assert a.shape == b.shape, name
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class _Leaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def test_outputs_through_an_opaque_module_need_merge_output() -> None:
+    """A leaf module's Python is not in the graph: nothing proves it keeps samples apart
+    (it could normalise over the batch), so pipe(x) asks rather than guesses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Leaf(), _Leaf(), nn.Linear(4, 1)).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 4, dtype=torch.double)
+    with RoundPipe(model, devices=["cpu"] * 2, leaf_modules=[_Leaf],
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        with pytest.raises(MergeError, match="_Leaf at 0 runs as Python"):
+            pipe(x)
+        torch.testing.assert_close(pipe(x, run_config=RoundPipeRunConfig(merge_output=0)),
+                                   eager(x), rtol=1e-12, atol=1e-12)

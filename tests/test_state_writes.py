@@ -465,7 +465,8 @@ def test_writes_of_opaque_modules_in_eval_mode_are_committed(devices: int, caplo
     model = LeafNet().double().eval()
     x = torch.randn(6, 8, dtype=torch.double)
     with RoundPipe(model, devices=["cpu"] * devices, leaf_modules=[CountingLeaf],
-                   model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB)) as pipe:
+                   model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB,
+                                                       merge_output=0)) as pipe:
         with torch.no_grad():
             for _ in range(2):
                 pipe(x)

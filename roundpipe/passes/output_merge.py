@@ -21,8 +21,7 @@ trainable parameters (samples mixed early in the model, e.g. BatchNorm in traini
 is refused: the call cannot be split exactly, and the merge rule says why.
 
 Only ops the pass knows are allowed on batch-dependent values; any other op makes its
-result ``M``.  Opaque module calls are trusted to be per-sample along dimension 0 unless
-they hold a BatchNorm in training mode.
+result ``M``, and so do opaque (leaf) module calls, whose Python the graph does not hold.
 """
 
 from __future__ import annotations
