@@ -20,26 +20,36 @@ from typing import Any, Sequence
 import torch
 
 
+class UsageError(Exception):
+    """A mistake in the command line or what it names: printed as one line, exit 2."""
+
+
 def _load_factory(spec: str) -> Any:
     if ":" not in spec:
-        raise SystemExit(f"expected MODULE:FACTORY, got {spec!r}")
+        raise UsageError(f"expected MODULE:FACTORY, got {spec!r}")
     module_name, attr = spec.rsplit(":", 1)
     if module_name.endswith(".py") or os.path.sep in module_name:
         path = os.path.abspath(module_name)
+        if not os.path.isfile(path):
+            raise UsageError(f"no such file: {path}")
         sys.path.insert(0, os.path.dirname(path))
         loader_spec = importlib.util.spec_from_file_location(
             os.path.splitext(os.path.basename(path))[0], path)
         if loader_spec is None or loader_spec.loader is None:
-            raise SystemExit(f"cannot load {path}")
+            raise UsageError(f"cannot load {path}")
         module = importlib.util.module_from_spec(loader_spec)
         loader_spec.loader.exec_module(module)
     else:
         sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            raise UsageError(f"cannot import {module_name!r} ({e}); give an importable "
+                             "module or a path to a .py file") from e
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise SystemExit(f"{module_name} has no attribute {attr!r}") from None
+        raise UsageError(f"{module_name} has no attribute {attr!r}") from None
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -61,7 +71,7 @@ def _plan(args: argparse.Namespace) -> int:
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     if not example_args and not example_kwargs:
-        raise SystemExit("no example input: return (model, args) from the factory or pass "
+        raise UsageError("no example input: return (model, args) from the factory or pass "
                          "--example")
     devices = ["cpu"] * args.devices if args.devices else None
     config = roundpipe.RoundPipeRunConfig(num_microbatch=args.num_microbatch,
@@ -91,17 +101,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--example", help="Python expression for the example input(s)")
     plan.add_argument("--devices", type=int, default=None,
                       help="plan for this many devices (virtual CPU devices)")
-    plan.add_argument("--num-microbatch", type=int, default=None)
-    plan.add_argument("--recompute-grain", choices=["stage", "layer"], default=None)
-    plan.add_argument("--memory-cap", default=None, help="per-stage cap, e.g. 512MiB")
-    plan.add_argument("--num-stages", type=int, default=None)
+    plan.add_argument("--num-microbatch", type=int, default=None,
+                      help="microbatches per batch (default: devices + 1)")
+    plan.add_argument("--recompute-grain", choices=["stage", "layer"], default=None,
+                      help="recompute per stage or per layer (default: stage)")
+    plan.add_argument("--memory-cap", default=None,
+                      help="per-stage device memory cap, e.g. 512MiB (default: none)")
+    plan.add_argument("--num-stages", type=int, default=None,
+                      help="exact number of stages (default: devices + 1, more to fit the "
+                      "cap)")
     plan.add_argument("--code", type=int, default=None, metavar="STAGE",
                       help="also print the generated code of this stage")
     plan.add_argument("--json", action="store_true", help="print plan.to_dict() as JSON")
     plan.add_argument("-v", "--verbose", action="store_true")
+    plan.add_argument("--debug", action="store_true",
+                      help="show the full traceback of an error")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    return _plan(args)
+    from roundpipe.errors import RoundPipeError
+    try:
+        return _plan(args)
+    except (UsageError, RoundPipeError) as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        print("(run with --debug for the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

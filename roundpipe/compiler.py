@@ -168,7 +168,8 @@ def make_plan(
     costs = report.units
     # 4. partition: exact min-max over forward, fused tail and backward stages.
     cuts = _choose_cuts(costs, num_devices=num_devices, memory_cap=memory_cap,
-                        num_stages=num_stages, names=[u.name for u in units])
+                        num_stages=num_stages, names=[u.name for u in units],
+                        recompute_grain=recompute_grain)
     ranges = ([("fwd", p) for p in cuts.forward_parts]
               + [("fused", (cuts.tail_start, len(costs)))]
               + [("bwd", p) for p in reversed(cuts.backward_parts)])
@@ -215,7 +216,8 @@ def _bwd_memory(c: UnitCost) -> int:
 
 
 def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int | None,
-                 num_stages: int | None, names: Sequence[str]) -> PipelineCuts:
+                 num_stages: int | None, names: Sequence[str],
+                 recompute_grain: str = "stage") -> PipelineCuts:
     """The fewest stages (at least devices + 1) that satisfy the memory cap, balanced."""
     fwd = [_ns(c.fwd_s) for c in costs]
     bwd = [_ns(c.fwd_s + c.bwd_s) for c in costs]  # recompute + backward
@@ -232,8 +234,9 @@ def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int
             raise PartitionError(
                 f"unit {names[worst]} alone needs {_size(need)} (weights, gradients and one "
                 f"microbatch of activations) but the per-stage memory cap is "
-                f"{_size(memory_cap)}; raise num_microbatch to shrink activations, use "
-                f"recompute_grain='layer', or give the devices more memory"
+                f"{_size(memory_cap)}; raise num_microbatch to shrink activations"
+                + (", use recompute_grain='layer'" if recompute_grain != "layer" else "")
+                + ", or give the devices more memory"
             )
     if num_stages is not None:
         return partition_pipeline(fwd, bwd, bwd, num_stages, **kwargs)

@@ -327,11 +327,17 @@ class StagePlan:
 
     # --- rendering ---------------------------------------------------------------------
     def table_rows(self) -> list[list[Any]]:
+        """One row per stage; unit names lose the prefix every unit shares
+        (``base_model.model.`` under PEFT) and long lists are cut, so the table fits 120
+        columns (``to_dict()`` keeps the full names)."""
+        prefix = _common_prefix([u.name for u in self.units])
         return [
             [
                 s.index,
                 s.kind,
-                s.unit_names,
+                _fit(compact_unit_names([u.name[len(prefix):]
+                                         for u in self.units[s.units[0]:s.units[1]]]),
+                     _UNITS_WIDTH),
                 f"{s.param_bytes / MiB:.2f}",
                 _fmt_time(s.est_time_s),
                 f"{s.act_in_bytes / MiB:.2f} / {s.act_out_bytes / MiB:.2f}",
@@ -342,12 +348,14 @@ class StagePlan:
 
     def summary(self) -> str:
         n_f, n_b = len(self.forward_stages), len(self.backward_stages)
+        prefix = _common_prefix([u.name for u in self.units])
         return (
             f"{len(self.stages)} stages ({n_f} fwd, 1 fused, {n_b} bwd) over "
             f"{len(self.units)} units on {self.num_devices} device(s), "
-            f"{self.num_microbatch} microbatches; largest stage {self.bottleneck_ratio:.2f}x "
+            f"{self.num_microbatch} microbatches\nlargest stage {self.bottleneck_ratio:.2f}x "
             f"the ideal balance; device memory needed {self.device_memory_bytes / MiB:.1f} MiB"
             + (f" (cap {self.memory_cap / MiB:.1f} MiB per stage)" if self.memory_cap else "")
+            + (f"\nunit names without their common prefix {prefix!r}" if prefix else "")
         )
 
     def __str__(self) -> str:
@@ -387,6 +395,37 @@ def _fmt_time(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.1f} us"
+
+
+_UNITS_WIDTH = 44  # the units column; the whole table then fits 120 columns
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The dotted prefix every name shares (``"base_model.model."``), if any; a name is
+    never emptied by it."""
+    if len(names) < 2:
+        return ""
+    parts = [n.split(".") for n in names]
+    common: list[str] = []
+    for column in zip(*parts):
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    if any(len(p) <= len(common) for p in parts):
+        common = common[:min(len(p) for p in parts) - 1]
+    return ".".join(common) + "." if common else ""
+
+
+def _fit(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters: its first and last items and how many were
+    left out."""
+    if len(text) <= width:
+        return text
+    items = text.split(", ")
+    head, tail = items[0], items[-1]
+    middle = f", ... ({len(items) - 2} more), " if len(items) > 2 else ", "
+    short = head + middle + tail
+    return short if len(short) <= width else short[:width - 3] + "..."
 
 
 # A numbered path component ("h.7", "7"), not a name that ends in a digit ("conv1").

@@ -99,8 +99,64 @@ def test_plan_with_importable_module_and_example(factory_file, capsys, monkeypat
     assert "(cap 1.0 MiB per stage)" in out
 
 
-def test_plan_without_an_example_or_colon_exits(factory_file):
-    with pytest.raises(SystemExit, match="no example input"):
-        main(["plan", f"{factory_file}:model_only"])
-    with pytest.raises(SystemExit, match="expected MODULE:FACTORY"):
-        main(["plan", str(factory_file)])
+def _error(capsys, *argv) -> str:
+    """A user error: one message on stderr, status 2, no traceback."""
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error: ")
+    return err
+
+
+def test_user_errors_are_one_message_and_status_2(factory_file, tmp_path, capsys):
+    assert "no example input" in _error(capsys, f"{factory_file}:model_only")
+    assert "expected MODULE:FACTORY" in _error(capsys, str(factory_file))
+    assert "no such file" in _error(capsys, f"{tmp_path / 'missing.py'}:make")
+    assert "cannot import 'no_such_module'" in _error(capsys, "no_such_module:make")
+    assert "has no attribute 'nope'" in _error(capsys, f"{factory_file}:nope")
+    err = _error(capsys, f"{factory_file}:make", "--memory-cap", "1KiB")  # PartitionError
+    assert "memory cap" in err
+    # the traceback, when asked for
+    with pytest.raises(Exception, match="memory cap"):
+        main(["plan", f"{factory_file}:make", "--memory-cap", "1KiB", "--debug"])
+
+
+def test_partition_advice_fits_what_was_asked(factory_file, capsys):
+    err = _error(capsys, f"{factory_file}:make", "--memory-cap", "1KiB")
+    assert "recompute_grain='layer'" in err
+    err = _error(capsys, f"{factory_file}:make", "--memory-cap", "1KiB",
+                 "--recompute-grain", "layer")
+    assert "recompute_grain='layer'" not in err and "num_microbatch" in err
+
+
+NESTED = FACTORY + textwrap.dedent("""
+    class Wrapper(nn.Module):
+        def __init__(self, inner, name):
+            super().__init__()
+            self.add_module(name, inner)
+            self.name = name
+
+        def forward(self, x):
+            return getattr(self, self.name)(x)
+
+    def nested():
+        torch.manual_seed(0)
+        net = Net()
+        net.blocks = nn.ModuleList([Block() for _ in range(12)])
+        model = Wrapper(Wrapper(Wrapper(net, "language_model_with_a_long_name"), "model"),
+                        "base_model")
+        return model, (torch.randn(6, 16),)
+""")
+
+
+def test_long_unit_names_fit_120_columns(tmp_path, capsys):
+    """PEFT-style wrappers make every unit name start with the same long prefix: the table
+    drops it (and says so), and JSON keeps the full names."""
+    path = tmp_path / "cli_nested_models.py"
+    path.write_text(NESTED)
+    out = _plan_output(capsys, f"{path}:nested", "--devices", "4")
+    assert max(len(line) for line in out.splitlines()) <= 120
+    assert "base_model.model.language_model_with_a_long_name." in out  # the note
+    assert "blocks.0" in out
+    data = json.loads(_plan_output(capsys, f"{path}:nested", "--devices", "4", "--json"))
+    assert data["units"][0]["name"].startswith(
+        "base_model.model.language_model_with_a_long_name.blocks")
