@@ -12,7 +12,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from .errors import ConfigError, UnknownConfigFieldError
+from .errors import ConfigError, UnknownConfigFieldError, unknown_options_message
 
 RecomputeGrain = Literal["stage", "layer"]
 _GRAINS = ("stage", "layer")
@@ -81,11 +81,9 @@ class RoundPipeRunConfig:
         **unknown: Any,
     ) -> None:
         if unknown:
-            known = ", ".join(f.name for f in dataclasses.fields(RoundPipeRunConfig))
-            raise UnknownConfigFieldError(
-                f"RoundPipeRunConfig has no field(s) {', '.join(sorted(unknown))}; "
-                f"the fields are: {known}"
-            )
+            raise UnknownConfigFieldError(unknown_options_message(
+                "RoundPipeRunConfig", unknown,
+                [f.name for f in dataclasses.fields(RoundPipeRunConfig)]))
         if num_microbatch is not None:
             if isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int):
                 raise ConfigError(

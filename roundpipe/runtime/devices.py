@@ -490,10 +490,12 @@ def resolve_devices(devices: Sequence[str | torch.device] | None,
     virtual CPU device.  ``device_memory`` (or ``ROUNDPIPE_VIRTUAL_MEMORY``) gives virtual
     CPU devices a capacity.
     """
+    source = "devices"
     if devices is None:
         env = os.environ.get("ROUNDPIPE_DEVICES", "").strip()
         if env:
             devices = [d.strip() for d in env.split(",") if d.strip()]
+            source = f"ROUNDPIPE_DEVICES={env!r}"
         elif torch.cuda.is_available():  # pragma: no cover - GPU
             devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         else:
@@ -510,14 +512,20 @@ def resolve_devices(devices: Sequence[str | torch.device] | None,
         try:
             dev = torch.device(spec)
         except (RuntimeError, TypeError) as e:
-            raise ConfigError(f"{spec!r} is not a device: {e}") from None
+            raise ConfigError(f"{spec!r} (from {source}) is not a device: {e}") from None
         if dev.type == "cpu":
             pool.append(VirtualCPUDevice(cpu_count, capacity))
             cpu_count += 1
-        elif dev.type == "cuda":  # pragma: no cover - GPU
+        elif dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise ConfigError(f"device {spec!r} requested but CUDA is not available")
-            index = dev.index if dev.index is not None else 0
+                why = ("a CPU-only build" if torch.version.cuda is None
+                       else "no GPU is visible")
+                raise ConfigError(
+                    f"device {spec!r} (from {source}) was asked for, but this PyTorch sees "
+                    f"no CUDA device ({why}); without a GPU, use virtual CPU devices: "
+                    f"devices=['cpu'] * {len(devices)} (or ROUNDPIPE_DEVICES="
+                    f"{','.join(['cpu'] * len(devices))})")
+            index = dev.index if dev.index is not None else 0  # pragma: no cover - GPU
             if index >= torch.cuda.device_count():
                 raise ConfigError(
                     f"device {spec!r} requested but only {torch.cuda.device_count()} CUDA "

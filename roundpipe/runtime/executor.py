@@ -442,7 +442,7 @@ class Executor:
                 self.landing.retain({(uid, slot) for slot, uid in call.converted})
         if errors:
             job, device, e = min(errors, key=lambda x: x[0].index)
-            described = self._describe_error(job, device, e)
+            described = self._describe_error(job, device, e, call.grain)
             if described is e:
                 raise e
             raise described from e
@@ -519,13 +519,14 @@ class Executor:
             self._grad_dtypes[slot] = dtype
         return dtype
 
-    def _describe_error(self, job: Job, device: Device, e: BaseException) -> BaseException:
+    def _describe_error(self, job: Job, device: Device, e: BaseException,
+                        grain: str = "stage") -> BaseException:
         mb = getattr(e, "_roundpipe_microbatch", None)
         names = ", ".join(u.name for u in self.units[job.start:job.stop])
         where = (f"stage {job.stage} ({job.kind}, units {names}) on {device.name}"
                  + (f" at microbatch {mb}" if mb is not None else ""))
         if isinstance(e, (DeviceMemoryExceeded, torch.OutOfMemoryError)):
-            return self._out_of_memory(job, device, where, e)
+            return self._out_of_memory(job, device, where, e, grain)
         if isinstance(e, RoundPipeError):
             e.args = (f"{where}: {e}",) + tuple(e.args[1:])
             return e
@@ -534,8 +535,8 @@ class Executor:
         return StageError(f"{where} raised {type(e).__name__}: {e}", stage=job.stage,
                           device=device.name, microbatch=mb)
 
-    def _out_of_memory(self, job: Job, device: Device, where: str, e: BaseException
-                       ) -> OutOfMemoryError:
+    def _out_of_memory(self, job: Job, device: Device, where: str, e: BaseException,
+                       grain: str = "stage") -> OutOfMemoryError:
         mib = 2**20
         if isinstance(e, DeviceMemoryExceeded):
             have = (f"an upload of {e.needed / mib:.2f} MiB found {e.free / mib:.2f} MiB free "
@@ -546,10 +547,11 @@ class Executor:
         stage = self.plan.stages[job.stage] if 0 <= job.stage < len(self.plan.stages) else None
         need = (f"the stage needs about {stage.memory_bytes / mib:.2f} MiB per job and "
                 if stage is not None else "")
+        layer = ("; if that is not enough, use recompute_grain='layer'"
+                 if grain != "layer" else "")
         return OutOfMemoryError(
             f"{where} does not fit: {need}{have}. Raise num_microbatch (smaller "
-            "microbatches, less activation memory); if that is not enough, use "
-            "recompute_grain='layer'; or give the devices more memory")
+            f"microbatches, less activation memory){layer}; or give the devices more memory")
 
     def _start_load(self, call: _Call, job: Job) -> None:
         """Start uploading ``job``'s state on its device's weight loader."""
@@ -1094,10 +1096,9 @@ class _JobRunner:
         for mb, loss in enumerate(self.call.losses):
             if loss is not None and not bool(torch.isfinite(loss).all()):
                 error = LossError(
-                    f"loss_fn returned {loss.item()} for microbatch {mb}; nothing was "
-                    "committed. Check the inputs and the learning rate, or, for fp16 "
-                    "training, use roundpipe.GradScaler, which skips such steps and lowers "
-                    "the scale")
+                    f"loss_fn returned {loss.item()}; nothing was committed. Check the inputs "
+                    "and the learning rate, or, for fp16 training, use roundpipe.GradScaler, "
+                    "which skips such steps and lowers the scale")
                 error._roundpipe_microbatch = mb  # type: ignore[attr-defined]
                 raise error
 
@@ -1137,12 +1138,13 @@ _WARNED: set[tuple[str, ...]] = set()
 
 
 def _check_loss(loss: Any, mb: int) -> None:
+    # (the microbatch is named by the error's prefix: "stage 1 (...) at microbatch 0")
     if not isinstance(loss, torch.Tensor):
-        raise LossError(f"loss_fn returned a {type(loss).__name__} for microbatch {mb}; it "
-                        "must return a scalar tensor")
+        raise LossError(f"loss_fn returned a {type(loss).__name__}; it must return a scalar "
+                        "tensor")
     if loss.numel() != 1 or loss.dim() > 1:
         raise LossError(
-            f"loss_fn returned a tensor of shape {tuple(loss.shape)} for microbatch {mb}; "
-            "it must be a scalar (reduce it, e.g. with .mean() or .sum())"
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must be a scalar "
+            "(reduce it, e.g. with .mean() or .sum())"
         )
 
