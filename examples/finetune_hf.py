@@ -22,12 +22,13 @@ stage being computed and the next one.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from typing import Iterator
 
 import torch
-from tqdm import tqdm
+from progress import Progress
 
 import roundpipe
 from roundpipe import RoundPipeRunConfig
@@ -108,7 +109,8 @@ def parse_devices(spec: str | None) -> list[str] | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None,
                         help="local directory of a Hugging Face checkpoint (default: a tiny "
                              "random Llama built from a config)")
@@ -116,13 +118,14 @@ def main() -> None:
                         help="number of virtual CPU devices, or a list like cuda:0,cuda:1 "
                              "(default: every CUDA device, else one CPU device)")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters only")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--num-microbatch", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--num-microbatch", type=int, default=None,
+                        help="microbatches per batch (None: devices + 1)")
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate (default 3e-3, or 1e-4 for --model)")
     parser.add_argument("--save", default=None, help="directory to save the result to")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and weights")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -146,8 +149,8 @@ def main() -> None:
     pipe = roundpipe.compile(model, (), example, devices=devices, optim_dtype=torch.float32,
                              model_run_config=RoundPipeRunConfig(
                                  num_microbatch=args.num_microbatch))
-    print(f"{type(model).__name__}: {total / 1e6:.2f} M parameters, {trainable / 1e6:.3f} M "
-          f"trained, on {', '.join(d.name for d in pipe.devices)}")
+    print(f"{type(model).__name__}: {total / 1e6:.3f} M parameters, of which "
+          f"{trainable / 1e6:.3f} M trained, on {', '.join(d.name for d in pipe.devices)}")
     print(pipe.plan)
 
     opt = torch.optim.AdamW(pipe.optim_parameters(), lr=lr, weight_decay=0.0)
@@ -155,15 +158,15 @@ def main() -> None:
     losses: list[float] = []
     tokens = 0
     started = time.perf_counter()
-    bar = tqdm(range(args.steps), desc="fine-tune", unit="step")
+    bar = Progress(range(args.steps), args.steps, "fine-tune")
     for _ in bar:
         inputs, count = next(data)
         loss = pipe.forward_backward(input_kwargs=inputs, loss_fn=lambda out, _: out.loss)
         pipe.step(lambda: (opt.step(), opt.zero_grad()))
         losses.append(loss.item() / num_mb)  # the sum over microbatches; report the mean
         tokens += count
-        bar.set_postfix(loss=f"{losses[-1]:.3f}",
-                        tok_s=f"{tokens / (time.perf_counter() - started):,.0f}")
+        bar.show(loss=f"{losses[-1]:.3f}",
+                 tok_s=f"{tokens / (time.perf_counter() - started):,.0f}")
     pipe.synchronize()
     bar.close()
     k = max(1, min(10, len(losses) // 2))
@@ -172,7 +175,7 @@ def main() -> None:
           f"{args.steps} batches of varying length)")
     if args.save:
         pipe.save_pretrained(args.save)  # the model's own method, after the last step
-        print(f"saved to {args.save}")
+        print(f"saved the model to {os.path.abspath(args.save)}")
     pipe.close()
 
 

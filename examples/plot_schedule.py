@@ -1,7 +1,8 @@
 """Draw roundpipe's schedule as a Gantt chart (PNG) and write a Perfetto trace.
 
     pip install -e ".[plot]"
-    python examples/plot_schedule.py --devices 4 --out docs/schedule.png
+    python examples/plot_schedule.py --devices 4             # writes schedule.png here
+    python examples/plot_schedule.py --devices 4 --out docs/schedule.png   # the README's
 
 Each row is a device; each bar is one job (one stage over all microbatches), split into
 its microbatches, coloured by kind: forward, fused tail (forward + loss + backward), and
@@ -26,11 +27,14 @@ COLORS = {"fwd": "#4C78A8", "fused": "#F58518", "bwd": "#54A24B"}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--num-microbatch", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--out", default="schedule.png")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--devices", type=int, default=4, help="virtual CPU devices")
+    parser.add_argument("--num-microbatch", type=int, default=None,
+                        help="microbatches per batch (None: devices + 1)")
+    parser.add_argument("--layers", type=int, default=8, help="GPT blocks")
+    parser.add_argument("--out", default="schedule.png",
+                        help="the chart, PNG (the default is in the current directory)")
     parser.add_argument("--trace", default=None, help="also write a Perfetto trace here")
     args = parser.parse_args()
     try:

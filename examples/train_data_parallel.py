@@ -27,20 +27,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import roundpipe  # noqa: E402
 import roundpipe.distributed as rd  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
+from progress import Progress  # noqa: E402
 from train_gpt import GPT, make_text, parse_devices  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--devices", default=None,
-                        help="virtual CPU devices per replica, or a list like cuda:0,cuda:1")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--num-microbatch", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+                        help="virtual CPU devices per replica, or a list like cuda:0,cuda:1 "
+                             "(None: every CUDA device, else one CPU device)")
+    parser.add_argument("--steps", type=int, default=100, help="training steps")
+    parser.add_argument("--global-batch", type=int, default=16,
+                        help="sequences per step, over all replicas")
+    parser.add_argument("--num-microbatch", type=int, default=None,
+                        help="microbatches per replica's batch (None: devices + 1)")
+    parser.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--zero", action="store_true", help="shard the optimizer state")
-    parser.add_argument("--checkpoint", default=None, help="save the final state here")
+    parser.add_argument("--checkpoint", default=None,
+                        help="file to save the final state to (None: not saved)")
     args = parser.parse_args()
 
     rank, world = rd.init_distributed()  # (0, 1) under plain python
@@ -68,7 +74,8 @@ def main() -> None:
     sampler = torch.Generator().manual_seed(1)
     losses: list[float] = []
     started = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    bar = Progress(range(1, args.steps + 1), args.steps, f"replica {rank}")
+    for step in bar:
         starts = torch.randint(0, len(data) - args.seq_len - 1, (args.global_batch,),
                                generator=sampler)
         mine = starts[rank * local_batch:(rank + 1) * local_batch]  # this replica's rows
@@ -80,7 +87,9 @@ def main() -> None:
         # microbatches; report the mean per microbatch
         losses.append(loss.item() / pipe.model_run_config.resolve(len(pipe.devices))
                       .num_microbatch)
+        bar.show(loss=f"{losses[-1]:.3f}")
     pipe.synchronize()
+    bar.close()
     elapsed = time.perf_counter() - started
     if pipe.data_parallel is not None:
         rd.check_replicas(pipe)  # every replica holds the same weights
@@ -89,6 +98,8 @@ def main() -> None:
             opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # every replica
         if rank == 0:
             roundpipe.save_checkpoint(args.checkpoint, pipe, opt)
+            print(f"saved the model and optimizer state to "
+                  f"{os.path.abspath(args.checkpoint)}")
     if rank == 0:
         k = min(10, len(losses))
         print(f"{world} replica(s) x {len(pipe.devices)} device(s): {args.steps} steps in "

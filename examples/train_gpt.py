@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from progress import Progress
 
 import roundpipe
 from roundpipe import RoundPipeRunConfig
@@ -90,25 +90,19 @@ def parse_devices(spec: str | None) -> list[str] | None:
     return [d.strip() for d in spec.split(",")]
 
 
-def progress(step: int, total: int, loss: float, tokens_per_s: float) -> None:
-    width = 30
-    done = int(width * step / total)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} "
-                     f"loss {loss:.3f} {tokens_per_s:,.0f} tok/s")
-    sys.stdout.flush()
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--devices", default=None,
                         help="number of virtual CPU devices, or a list like cuda:0,cuda:1 "
-                             "(default: every CUDA device, else one CPU device)")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--num-microbatch", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
+                             "(None: every CUDA device, else one CPU device)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps")
+    parser.add_argument("--num-microbatch", type=int, default=None,
+                        help="microbatches per batch (None: devices + 1)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and weights")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -144,7 +138,8 @@ def main() -> None:
     losses: list[float] = []
     tokens = args.batch_size * args.seq_len
     started = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    bar = Progress(range(1, args.steps + 1), args.steps, "train")
+    for step in bar:
         x, y = batch()
         loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
         pipe.step(lambda: (opt.step(), opt.zero_grad()))
@@ -153,9 +148,9 @@ def main() -> None:
                       .num_microbatch)
         if step % 5 == 0 or step == args.steps:
             elapsed = time.perf_counter() - started
-            progress(step, args.steps, losses[-1], step * tokens / elapsed)
+            bar.show(loss=f"{losses[-1]:.3f}", tok_s=f"{step * tokens / elapsed:,.0f}")
     pipe.synchronize()
-    print()
+    bar.close()
     k = min(10, len(losses))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     print(f"loss: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
