@@ -16,12 +16,15 @@ import torch
 import torch.utils._pytree as pytree
 
 from .backprop import attach_backward
+from . import current
 from .compiler import Analysis, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .errors import (ConfigError, InputError, MergeError, ModelError, RoundPipeError,
-                     StageError, TraceError)
+                     StageError, StepError, TraceError, UnknownConfigFieldError,
+                     unknown_options_message)
 from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
+from .passes.dtype_check import mixed_dtype_op
 from .passes.output_merge import plan_output_merge
 from .plan import InputSignature, OutputMergePlan, StagePlan
 from .runtime.devices import Device, parse_bytes, resolve_devices
@@ -150,7 +153,11 @@ class RoundPipe:
         data_parallel: bool | DataParallelConfig | None = None,
         share_blocks: bool = True,
         compile_units: bool | str = False,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise UnknownConfigFieldError(unknown_options_message(
+                "RoundPipe", unknown, inspect.signature(RoundPipe.__init__).parameters))
         if not isinstance(model, torch.nn.Module):
             raise ModelError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
         off_cpu = [(n, t.device) for n, t in list(model.named_parameters())
@@ -211,9 +218,21 @@ class RoundPipe:
         if not isinstance(example_args, tuple):
             example_args = (example_args,)
         cfg = self._config(None)
-        mbs = split_inputs(example_args, dict(example_kwargs or {}), cfg.num_microbatch,
-                           cfg.split_input)
-        return self._compiled_for(mbs, example_args, dict(example_kwargs or {}), cfg).plan
+        with self._diagnose_dtypes(example_args, dict(example_kwargs or {})):
+            mbs = split_inputs(example_args, dict(example_kwargs or {}), cfg.num_microbatch,
+                               cfg.split_input)
+            entry = self._compiled_for(mbs, example_args, dict(example_kwargs or {}), cfg)
+        # An input of another dtype than the weights traces fine and fails at the first
+        # call: say so now, while the example is at hand.
+        traced = entry.analysis.traced
+        hint = _dtype_mismatch(self.model, example_args, dict(example_kwargs or {}))
+        mixed = mixed_dtype_op(traced.graph_module.graph) if traced is not None else None
+        if hint is not None and mixed is not None:
+            where = mixed.meta.get("roundpipe.module_path")
+            raise InputError(f"{hint}; {mixed.target} in "
+                             + (f"module {where!r}" if where else "the model")
+                             + " would multiply tensors of two dtypes")
+        return entry.plan
 
     @property
     def plan(self) -> StagePlan:
@@ -412,6 +431,12 @@ class RoundPipe:
         """
         if loss_fn is None or not callable(loss_fn):
             raise ConfigError("forward_backward needs a callable loss_fn(output, label)")
+        current.called(self)
+        user_loss_fn = loss_fn
+
+        def loss_fn(output: Any, label: Any) -> torch.Tensor:  # runs on the devices' threads
+            with current.running(self):
+                return user_loss_fn(output, label)
         if not isinstance(input_args, tuple):
             input_args = (input_args,)
         input_kwargs = dict(input_kwargs or {})
@@ -453,7 +478,11 @@ class RoundPipe:
             hint = _dtype_mismatch(self.model, args, kwargs)
             if hint is None or not _mentions_dtype(e):
                 raise
-            raise InputError(f"{hint}; the call failed with: {_first_line(e)}") from e
+            # Raised from here, not chained: the cause is one line of the message (and
+            # ``error.original`` for whoever wants the whole story).
+            error = InputError(f"{hint}; the call failed with: {_root_line(e)}")
+            error.original = e  # type: ignore[attr-defined]
+            raise error from None
 
     @contextlib.contextmanager
     def _replica_call(self) -> Iterator[Any]:
@@ -589,6 +618,7 @@ class RoundPipe:
         ``backward()`` on the result runs a pipelined backward with recompute and fills
         the same gradients as :meth:`forward_backward`.
         """
+        current.called(self)
         with self._lock, self._diagnose_dtypes(tuple(args), dict(kwargs)):
             cfg = self._config(run_config)
             self._optimizer.raise_if_failed()
@@ -632,7 +662,15 @@ class RoundPipe:
             for hook in self._step_hooks:
                 hook(version)
 
-        self._optimizer.step(step_fn, is_async=is_async, on_enqueue=on_enqueue)
+        if not callable(step_fn):
+            raise StepError(f"step_fn must be callable, got {type(step_fn).__name__}")
+
+        def for_this_pipe() -> Any:  # a GradScaler made without its pipe finds it
+            with current.running(self):
+                return step_fn()
+
+        current.called(self)
+        self._optimizer.step(for_this_pipe, is_async=is_async, on_enqueue=on_enqueue)
         if not is_async:
             for hook in self._sync_hooks:
                 hook()
@@ -868,6 +906,17 @@ def _mentions_dtype(e: BaseException) -> bool:
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
+
+
+def _root_line(e: BaseException) -> str:
+    """The first line of the innermost error that mentions a dtype (the op's own words,
+    not the tracer's summary of them)."""
+    found = e
+    while e is not None:
+        if "dtype" in str(e).lower() or "scalar type" in str(e).lower():
+            found = e
+        e = e.__cause__  # type: ignore[assignment]
+    return f"{type(found).__name__}: {_first_line(found)}"
 
 
 def _sum_losses(losses: list[torch.Tensor | None]) -> torch.Tensor:

@@ -3,12 +3,20 @@
 Usage::
 
     pipe = RoundPipe(model.half(), optim_dtype=torch.float32)
-    scaler = roundpipe.GradScaler(pipe)
+    scaler = roundpipe.GradScaler(pipe)          # or GradScaler(8192.0), as torch.amp's
     opt = torch.optim.AdamW(pipe.optim_parameters())
     for x, y in data:
         loss = pipe.forward_backward(input_args=(x,), label=y,
                                      loss_fn=lambda out, y: scaler.scale(loss_fn(out, y)))
         pipe.step(lambda: scaler.step(opt))      # unscale, skip on inf/NaN, step, update
+
+    # torch.amp's loop runs unchanged, with the pipe's forward and step:
+    scaler.scale(loss_fn(pipe(x), y)).backward()
+    pipe.step(lambda: scaler.step(opt))
+    scaler.update()                              # a no-op: step() updated the scale
+
+Made without its pipe, the scaler binds to the pipe it is first used with: the one whose
+``loss_fn`` or ``step_fn`` calls it, else the one the calling thread used last.
 
 Why it differs from ``torch.amp.GradScaler``: with ``step(is_async=True)`` the next call
 runs while the optimizer thread is still stepping, so a scale changed by that step must
@@ -27,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import current
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,7 +48,9 @@ class GradScaler:
     """Loss scaling with growth and back-off, for :class:`~roundpipe.RoundPipe`.
 
     Args:
-        pipe: the pipe whose ``step`` calls this scaler's :meth:`step`.
+        pipe: the pipe whose ``step`` calls this scaler's :meth:`step`; or, as
+            ``torch.amp.GradScaler`` takes them first, a device string (ignored: the pipe
+            places the work) or the first scale; or None: bound on first use.
         init_scale: the first scale.
         growth_factor: multiplies the scale after ``growth_interval`` steps without
             inf/NaN gradients.
@@ -49,9 +60,23 @@ class GradScaler:
         enabled: ``False`` makes every method a pass-through.
     """
 
-    def __init__(self, pipe: RoundPipe, init_scale: float = 2.0**16,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True) -> None:
+    def __init__(self, pipe: RoundPipe | str | float | None = None,
+                 init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 enabled: bool = True, *, device: str | None = None) -> None:
+        from .api import RoundPipe
+        if isinstance(pipe, (int, float)) and not isinstance(pipe, bool):
+            # GradScaler(8192.0): torch.cuda.amp's order, the scale first
+            pipe, init_scale = None, float(pipe)
+        elif isinstance(pipe, str):  # GradScaler("cuda", ...): torch.amp's order
+            pipe = None
+        elif pipe is not None and not isinstance(pipe, RoundPipe):
+            raise ConfigError(
+                f"GradScaler's first argument is the RoundPipe (or, as torch.amp takes it, "
+                f"the device or the initial scale); got a {type(pipe).__name__}. Use "
+                "GradScaler(pipe), GradScaler(init_scale=...) or GradScaler()")
+        if not isinstance(init_scale, (int, float)) or isinstance(init_scale, bool):
+            raise ConfigError(f"init_scale must be a number, got {init_scale!r}")
         if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1
                 and growth_interval >= 1):
             raise ConfigError(
@@ -67,19 +92,43 @@ class GradScaler:
         self._good_steps = 0
         # The scale each enqueued step's gradients were made with, by the step's version.
         self._step_scales: dict[int, float] = {}
-        self._pipe = pipe
+        self._pipe: RoundPipe | None = None
         self._lock = threading.Lock()
         self.skipped_steps = 0
-        pipe._nonfinite_loss_ok = enabled  # an inf/NaN loss skips the step, not an error
+        if pipe is not None:
+            self._bind(pipe)
+
+    def _bind(self, pipe: RoundPipe) -> None:
+        self._pipe = pipe
+        pipe._nonfinite_loss_ok = self.enabled  # an inf/NaN loss skips the step
         pipe._step_hooks.append(self._on_step_enqueued)
         pipe._sync_hooks.append(self._on_synchronized)
+
+    def _bound(self) -> RoundPipe | None:
+        """The pipe, binding to the one this code runs for (or last used) if need be."""
+        if self._pipe is None:
+            pipe = current.current_pipe()
+            if pipe is not None:
+                with self._lock:
+                    if self._pipe is None:
+                        self._bind(pipe)
+        return self._pipe
 
     # --- used in loss_fn (device threads) ------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current scale."""
         if not self.enabled:
             return loss
+        self._bound()
         return loss * self._visible
+
+    def update(self, new_scale: float | None = None) -> None:
+        """For ``torch.amp``'s loop: :meth:`step` has updated the scale already (on the
+        optimizer thread, at the step it belongs to), so this does nothing; a
+        ``new_scale`` is set for the calls after the next step."""
+        if new_scale is not None:
+            with self._lock:
+                self._latest = float(new_scale)
 
     def get_scale(self) -> float:
         """The scale calls use now."""
@@ -100,7 +149,12 @@ class GradScaler:
             if zero_grad:
                 optimizer.zero_grad()
             return True
-        version = self._pipe._optimizer.current_version
+        pipe = self._bound()
+        if pipe is None:
+            raise ConfigError(
+                "GradScaler.step(opt) runs outside any pipe's step: call it inside "
+                "pipe.step(lambda: scaler.step(opt)), or make the scaler with GradScaler(pipe)")
+        version = pipe._optimizer.current_version
         with self._lock:
             scale = self._step_scales.pop(version, self._visible) if version is not None \
                 else self._visible
