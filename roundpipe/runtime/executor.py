@@ -49,6 +49,7 @@ from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer, den
 from .grad_flow import live_nodes
 from .grad_landing import GradLanding
 from .host_state import HostState
+from .jobs import Job, plan_jobs
 from ..ops.rng import RngKey
 
 log = logging.getLogger(__name__)
@@ -104,20 +105,6 @@ class RunStats:
     @property
     def bytes_downloaded(self) -> int:
         return sum(d.bytes_downloaded for d in self.devices)
-
-
-@dataclass
-class Job:
-    index: int
-    stage: int          # index in plan.stages, or -1 for jobs made up for forward()
-    kind: str           # "fwd", "fused" or "bwd"
-    start: int
-    stop: int
-    reads: tuple[str, ...] = ()     # host values it reads (bwd: the stash)
-    publishes: frozenset[str] = frozenset()  # values it writes to the host store
-    handoff: frozenset[str] = frozenset()    # values the next job (same device) takes
-    slots: tuple[str, ...] = ()     # state slots it uploads
-    skip: bool = False              # a backward job through which no gradient flows
 
 
 class Stash(list):
@@ -207,12 +194,7 @@ class Executor:
         self.host = host
         self.devices = list(devices)
         self.units = self.program.units
-        self._output_values = [o.value for o in self.program.outputs if o.value is not None]
         self._buffer_update = {v: slot for slot, v in self.program.buffer_updates}
-        self._producer: dict[str, int] = {}
-        for unit in self.units:
-            for v in unit.outputs:
-                self._producer[v] = unit.index
         self._carries_cache: dict[Any, frozenset[str]] = {}
         # Host buffers gradients are downloaded into, reused across calls; pass one
         # GradLanding to the executors of every program of a model, so each new shape or
@@ -248,15 +230,12 @@ class Executor:
         A NaN or infinite loss raises :class:`LossError` (nothing is committed) unless
         ``nonfinite_loss_ok`` (a GradScaler skips the step instead).  ``on_grads`` sees
         each unit's staged parameter gradients as soon as they are final (see ``_Call``)."""
-        stages = self.plan.stages
-        jobs = [Job(i, i, s.kind, *s.units) for i, s in enumerate(stages)]
         call = self._new_call("train", inputs, labels, loss_fn, grain, want_outputs, keys,
                               fence_version, autocast=autocast)
         call.nonfinite_loss_ok = nonfinite_loss_ok
         call.on_grads = on_grads
         call.keep = keep
-        self._wire(jobs, call, stash_for_backward=False)
-        return self._run(jobs, call)
+        return self._run(self._jobs(call, stash_for_backward=False), call)
 
     def forward(self, inputs: list[dict[str, Any]], *, record: bool, grain: str,
                 keys: list[RngKey | None], fence_version: int,
@@ -264,15 +243,10 @@ class Executor:
                 keep: frozenset[str] = frozenset()) -> RunResult:
         """Forward stages and the tail as a forward stage; with ``record`` the values the
         backward needs are kept in ``RunResult.stash``."""
-        n = len(self.units)
-        fwd = [s for s in self.plan.stages if s.kind == "fwd"]
-        tail = self.plan.fused_stage
-        jobs = [Job(i, s.index, "fwd", *s.units) for i, s in enumerate(fwd)]
-        jobs.append(Job(len(jobs), tail.index, "fwd", tail.units[0], n))
         call = self._new_call("forward", inputs, [None] * len(inputs), None, grain, True, keys,
                               fence_version, record=record, autocast=autocast)
         call.keep = keep
-        self._wire(jobs, call, stash_for_backward=record)
+        jobs = self._jobs(call, stash_for_backward=record)
         before = {slot: self.host.tensors[slot].clone() for slot in self._written_state
                   } if record else {}
         result = self._run(jobs, call)
@@ -287,10 +261,6 @@ class Executor:
                  on_grads: Callable[..., None] | None = None) -> RunResult:
         """Backward of a recorded :meth:`forward`: the tail recomputes like a backward
         stage, then the backward stages run."""
-        tail = self.plan.fused_stage
-        bwd = [s for s in self.plan.stages if s.kind == "bwd"]
-        jobs = [Job(0, tail.index, "bwd", *tail.units)]
-        jobs += [Job(i + 1, s.index, "bwd", *s.units) for i, s in enumerate(bwd)]
         call = self._new_call("backward", [dict(s) for s in stash], [None] * len(stash), None,
                               grain, False, keys, fence_version, record=True,
                               autocast=autocast)
@@ -298,8 +268,7 @@ class Executor:
         call.on_grads = on_grads
         for mb, grads in enumerate(output_grads):
             call.grads[mb].update(grads)
-        self._wire(jobs, call, stash_for_backward=False)
-        return self._run(jobs, call)
+        return self._run(self._jobs(call, stash_for_backward=False), call)
 
     # --- setup ---------------------------------------------------------------------------
     def _new_call(self, mode: str, inputs: list[dict[str, Any]], labels: list[Any],
@@ -347,55 +316,11 @@ class Executor:
         self._carries_cache[key] = result
         return result
 
-    def _wire(self, jobs: list[Job], call: _Call, *, stash_for_backward: bool) -> None:
-        """Decide what each job reads from and publishes to the host store."""
-        stash = self.plan.stash[call.grain]
-        for job in jobs:
-            if job.kind == "bwd" and call.grain == "layer":
-                reads: list[str] = []
-                for unit in self.units[job.start:job.stop]:
-                    reads.extend(v for v in unit.inputs if v not in reads)
-                job.reads = tuple(reads)
-            else:
-                job.reads = self.program.range_inputs(job.start, job.stop)
-            if job.kind == "fused":
-                extra = [v for v in self._output_values
-                         if self._producer.get(v, -1) < job.start and v not in job.reads]
-                job.reads = job.reads + tuple(extra)
-        kept: set[str] = set()  # what must reach the host whoever reads it next
-        if stash_for_backward:
-            for per_stage in stash:
-                kept.update(per_stage)
-            tail = self.plan.fused_stage
-            for unit in self.units[tail.units[0]:tail.units[1]]:
-                kept.update(unit.inputs)
-        if call.want_outputs:
-            kept.update(self._output_values)
-        kept.update(call.keep)
-        same_device = len(self.devices) == 1  # consecutive jobs share a device
-        for k, job in enumerate(jobs):
-            units = self.units[job.start:job.stop]
-            produced = {v for u in units for v in u.outputs}
-            slots: list[str] = []
-            for unit in units:
-                slots.extend(s for s in unit.state if s not in slots)
-            job.slots = tuple(slots)
-            job.skip = job.kind == "bwd" and not any(
-                v in call.carries for u in units for v in list(u.inputs) + list(u.state))
-            later: set[str] = set(kept)
-            for other in jobs[k + 1:]:
-                later.update(other.reads)
-            nxt = jobs[k + 1] if k + 1 < len(jobs) else None
-            if same_device and nxt is not None and nxt.kind != "bwd":
-                # What the next job reads goes to it on the device; the host copy is made
-                # only for other readers (later jobs, the backward stash, the outputs).
-                job.handoff = frozenset(produced & set(nxt.reads))
-                others = set(kept)
-                for other in jobs[k + 2:]:
-                    others.update(other.reads)
-                job.publishes = frozenset(produced & others)
-            else:
-                job.publishes = frozenset(produced & later)
+    def _jobs(self, call: _Call, *, stash_for_backward: bool) -> list[Job]:
+        jobs = list(plan_jobs(self.plan, call.mode, call.grain, num_devices=len(self.devices),
+                              carries=call.carries, want_outputs=call.want_outputs,
+                              keep=call.keep, stash_for_backward=stash_for_backward))
+        return jobs
 
     # --- running -------------------------------------------------------------------------
     def _run(self, jobs: list[Job], call: _Call) -> RunResult:
