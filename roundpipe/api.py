@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from .backprop import attach_backward
 from . import current
-from .compiler import Analysis, analyze, make_plan
+from .compiler import Analysis, PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .errors import (ConfigError, InputError, MergeError, ModelError, RoundPipeError,
                      StageError, StepError, TraceError, UnknownConfigFieldError,
@@ -27,6 +27,7 @@ from .passes.leaves import resolve_leaf_modules
 from .passes.dtype_check import mixed_dtype_op
 from .passes.output_merge import plan_output_merge
 from .plan import InputSignature, OutputMergePlan, StagePlan
+from .runtime.call import autocast_state, memory_cap, microbatch_keys
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
@@ -280,10 +281,7 @@ class RoundPipe:
         # A recompile (new shapes, eval mode) goes straight to the leaves this one needed.
         self._found_leaves = analysis.leaves
         plan = make_plan(analysis.program, analysis.units, analysis.report,
-                         num_devices=len(self.devices), num_microbatch=cfg.num_microbatch,
-                         device_model=self.device_model, memory_cap=cap,
-                         num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
-                         notes=analysis.notes)
+                         self._plan_options(cfg, cap), notes=analysis.notes)
         for i, (a, k) in enumerate(mbs):
             if not matches(plan.program.inputs, a, k):
                 shapes = [tuple(t.shape) for t in pytree.tree_leaves((a, k))
@@ -307,6 +305,11 @@ class RoundPipe:
         self._current = entry
         return entry
 
+    def _plan_options(self, cfg: ResolvedRunConfig, cap: int | None) -> PlanOptions:
+        return PlanOptions(num_devices=len(self.devices), num_microbatch=cfg.num_microbatch,
+                           device_model=self.device_model, memory_cap=cap,
+                           num_stages=self.num_stages, recompute_grain=cfg.recompute_grain)
+
     def _memory_cap(self, cfg: ResolvedRunConfig) -> int | None:
         """Per-stage cap: explicit, else half the fraction of the smallest free memory,
         read once per fraction (free memory drifts as allocators cache; a cap that moved
@@ -314,10 +317,7 @@ class RoundPipe:
         if self.memory_cap is not None:
             return self.memory_cap
         if cfg.memory_fraction not in self._caps:
-            free = [d.free_bytes() for d in self.devices]
-            self._caps[cfg.memory_fraction] = (
-                None if any(f is None for f in free)
-                else int(min(free) * cfg.memory_fraction / 2))  # type: ignore[type-var]
+            self._caps[cfg.memory_fraction] = memory_cap(self.devices, cfg.memory_fraction)
         return self._caps[cfg.memory_fraction]
 
     def _use_cap(self, entry: _Compiled, cap: int | None, cfg: ResolvedRunConfig) -> None:
@@ -329,14 +329,46 @@ class RoundPipe:
             return
         if key not in entry.by_cap:
             a = entry.analysis
-            plan = make_plan(a.program, a.units, a.report, num_devices=len(self.devices),
-                             num_microbatch=cfg.num_microbatch,
-                             device_model=self.device_model, memory_cap=cap,
-                             num_stages=self.num_stages, recompute_grain=cfg.recompute_grain,
+            plan = make_plan(a.program, a.units, a.report, self._plan_options(cfg, cap),
                              notes=a.notes)
             entry.by_cap[key] = (plan, Executor(plan, entry.host, self.devices,
                                                 self._landing, self.compile_units))
         entry.plan, entry.executor = entry.by_cap[key]
+
+    # --- for GradScaler (a documented internal interface) ---------------------------------
+    def attach_step_observer(self, *, on_step_enqueued: Callable[[int], None],
+                             on_synchronized: Callable[[], None],
+                             nonfinite_loss_ok: bool) -> None:
+        """Observe this pipe's steps: ``on_step_enqueued(version)`` as each ``step`` is
+        queued, ``on_synchronized()`` after each ``synchronize``.  ``nonfinite_loss_ok``:
+        an inf/NaN loss skips its step instead of raising (what a loss scaler needs)."""
+        self._nonfinite_loss_ok = nonfinite_loss_ok
+        self._step_hooks.append(on_step_enqueued)
+        self._sync_hooks.append(on_synchronized)
+
+    @property
+    def running_step(self) -> int | None:
+        """The version of the step whose ``step_fn`` runs on the calling thread (None on
+        any other thread, and outside a step)."""
+        return self._optimizer.current_version
+
+    @property
+    def call_number(self) -> int:
+        """The number of the next call (each ``forward_backward`` and each forward,
+        ``pipe(x)``, counts one; the backward of a forward belongs to it): with
+        :attr:`seed` it keys every random op of the call (dropout masks), whatever the
+        devices.  Setting it back replays a call's masks exactly
+        (a finite-difference check, an evaluation that must see the same masks);
+        :meth:`state_dict` saves it."""
+        return self._calls
+
+    @call_number.setter
+    def call_number(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"call_number must be an int >= 0, got {value!r}")
+        with self._lock:
+            self._optimizer.wait()  # a commit in flight counts its call first
+            self._calls = value
 
     def replan(self, *, use_measured: bool = True, **options: Any) -> StagePlan:
         """Recompute the partition of the current program (no retrace), from the per-unit
@@ -363,12 +395,12 @@ class RoundPipe:
             self.memory_cap = parse_bytes(options["memory_cap"])
         if "num_stages" in options:
             self.num_stages = options["num_stages"]
-        new = make_plan(plan.program, plan.units, report, num_devices=len(self.devices),
-                        num_microbatch=plan.num_microbatch, device_model=self.device_model,
-                        memory_cap=self.memory_cap if "memory_cap" in options
-                        else plan.memory_cap,
-                        num_stages=self.num_stages, notes=plan.notes,
-                        recompute_grain=_plan_key(plan, "stage")[2])
+        new = make_plan(plan.program, plan.units, report, PlanOptions(
+            num_devices=len(self.devices), num_microbatch=plan.num_microbatch,
+            device_model=self.device_model,
+            memory_cap=self.memory_cap if "memory_cap" in options else plan.memory_cap,
+            num_stages=self.num_stages, recompute_grain=_plan_key(plan, "stage")[2]),
+            notes=plan.notes)
         entry.plan = new
         entry.executor = Executor(new, entry.host, self.devices, self._landing,
                                   self.compile_units)
@@ -380,20 +412,14 @@ class RoundPipe:
         return self.model_run_config.overridden_by(run_config).resolve(len(self.devices))
 
     def _autocast(self) -> tuple[str, torch.dtype] | None:
-        """The caller's autocast state for the devices' type, replayed in worker threads."""
-        kind = self.devices[0].torch_device.type
-        if not torch.is_autocast_enabled(kind):
-            return None
-        return kind, torch.get_autocast_dtype(kind)
+        return autocast_state(self.devices)
 
     def _keys(self, cfg: ResolvedRunConfig) -> list[RngKey | None]:
-        if not cfg.preserve_rng_state:
-            return [None] * cfg.num_microbatch
         # A replica's microbatches are numbered after those of the replicas before it, so
         # its dropout masks are those one process would draw on the whole global batch.
         first = self._dp.rank * cfg.num_microbatch if self._dp is not None else 0
-        return [RngKey(self.seed, self._calls, first + mb)
-                for mb in range(cfg.num_microbatch)]
+        return microbatch_keys(self.seed, self._calls, cfg.num_microbatch,
+                               enabled=cfg.preserve_rng_state, first=first)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -643,10 +669,43 @@ class RoundPipe:
             merged = [merged_value(c, cfg.output_device) for c in columns]
             # requires_grad=True records even under torch.no_grad(), as asked.
             with torch.enable_grad():
-                return attach_backward(self, entry, result, (tuple(args), dict(kwargs)),
-                                       mbs, columns, merged, build, cfg, keys)
+                return attach_backward(
+                    self._backward_runner(entry, result, cfg, keys), entry.plan.program,
+                    (tuple(args), dict(kwargs)), mbs, columns, merged, build)
 
     __call__ = forward
+
+    def _backward_runner(self, entry: _Compiled, forward: RunResult, cfg: ResolvedRunConfig,
+                         keys: list[RngKey | None]
+                         ) -> Callable[[list[dict[str, torch.Tensor]]], RunResult]:
+        """What ``loss.backward()`` through this forward runs: the backward jobs from the
+        forward's stash, then the gradients committed to the masters (all-reduced first
+        across data-parallel replicas)."""
+        version = self._state.fences.target
+        autocast = self._autocast()
+        stash = [forward.stash]  # emptied by the backward: it frees the activations
+
+        def run_backward(output_grads: list[dict[str, torch.Tensor]]) -> RunResult:
+            if stash[0] is None:
+                raise RoundPipeError(
+                    "backward through a pipelined forward ran twice; its stashed "
+                    "activations were freed after the first (retain_graph is not supported)")
+            self._check_open()
+            with self._lock, self._replica_call() as dp_call:
+                on_grads = (dp_call.bind(entry.host, entry.plan.program.units)
+                            if dp_call else None)
+                result = entry.executor.backward(
+                    stash[0], output_grads, grain=cfg.recompute_grain, keys=keys,
+                    fence_version=version, autocast=autocast, on_grads=on_grads)
+                self._optimizer.wait()
+                if dp_call is not None:  # all-reduced across replicas before anything commits
+                    dp_call.complete(result, None)
+                self._finish(entry, result, count_call=False)
+                if dp_call is not None:
+                    self._sync_replica_buffers(entry)
+            stash[0] = None
+            return result
+        return run_backward
 
     # --- optimizer -----------------------------------------------------------------------
     def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:

@@ -39,57 +39,55 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .compiler import make_plan
+from .compiler import PlanOptions, plan_from_traced
 from .config import RoundPipeRunConfig
-from .errors import ConfigError, InputError, ModelError, RoundPipeError, UnknownConfigFieldError
+from .errors import (ConfigError, InputError, ModelError, RoundPipeError,
+                     UnknownConfigFieldError, unknown_options_message)
 from .passes.batching import BatchSplit, analyze_batching
-from .passes.codegen import generate_unit_programs
-from .passes.cost import DeviceModel, estimate_costs
+from .passes.cost import DeviceModel
 from .passes.dynamo import DynamoGraph, Unsupported, from_dynamo
-from .passes.layers import assign_layers
-from .passes.partition import max_pipeline_stages
 from .plan import ModelProgram, StagePlan
+from .runtime.call import autocast_state, memory_cap, microbatch_keys
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.executor import Executor, RunResult, RunStats
-from .runtime.host_state import WeightFences
+from .runtime.host_state import WeightFences, fold_unit_grads
+from .runtime.microbatch import join_input_grad, merge_column, split_grad
 from .ops.rng import RngKey
 
 log = logging.getLogger(__name__)
 
 NAME = "roundpipe"
 
-#: The options ``torch.compile(..., backend="roundpipe", options={...})`` accepts.
-OPTIONS: Mapping[str, str] = {
-    "num_microbatch": "microbatches per call where splitting is provably exact (default: "
-                      "devices + 1)",
-    "devices": "device list such as ['cuda:0', 'cuda:1'] or ['cpu'] * 3 (virtual CPU "
-               "devices); default: every visible CUDA device, else one CPU device",
-    "recompute_grain": "'stage' (default) or 'layer'",
-    "memory_fraction": "share of the smallest device's free memory the plan may use "
-                       "(default 0.9)",
-    "memory_cap": "bytes one stage may use on a device (int or '512MiB'); overrides "
-                  "memory_fraction",
-    "device_memory": "capacity of each virtual CPU device (int or '64MiB')",
-    "num_stages": "exact number of stages per graph (default: devices + 1)",
-    "seed": "base seed of the keyed dropout streams (default: torch.initial_seed())",
-    "preserve_rng_state": "recompute reproduces random ops exactly (default True)",
-}
+def _option(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class BackendOptions:
     """Validated options of the backend (hashable: graphs with equal options share one
-    :class:`RoundPipeBackend`)."""
+    :class:`RoundPipeBackend`).  ``torch.compile(..., options={...})`` takes the same
+    names; each field's ``help`` says what it does."""
 
-    num_microbatch: int | None = None
-    devices: tuple[str, ...] | None = None
-    recompute_grain: str = "stage"
-    memory_fraction: float = 0.9
-    memory_cap: int | None = None
-    device_memory: int | None = None
-    num_stages: int | None = None
-    seed: int | None = None
-    preserve_rng_state: bool = True
+    num_microbatch: int | None = _option(
+        None, "microbatches per call where splitting is provably exact (default: "
+              "devices + 1)")
+    devices: tuple[str, ...] | None = _option(
+        None, "device list such as ['cuda:0', 'cuda:1'] or ['cpu'] * 3 (virtual CPU "
+              "devices); default: every visible CUDA device, else one CPU device")
+    recompute_grain: str = _option("stage", "'stage' (default) or 'layer'")
+    memory_fraction: float = _option(
+        0.9, "share of the smallest device's free memory the plan may use (default 0.9)")
+    memory_cap: int | None = _option(
+        None, "bytes one stage may use on a device (int or '512MiB'); overrides "
+              "memory_fraction")
+    device_memory: int | None = _option(
+        None, "capacity of each virtual CPU device (int or '64MiB')")
+    num_stages: int | None = _option(
+        None, "exact number of stages per graph (default: devices + 1)")
+    seed: int | None = _option(
+        None, "base seed of the keyed dropout streams (default: torch.initial_seed())")
+    preserve_rng_state: bool = _option(
+        True, "recompute reproduces random ops exactly (default True)")
 
     @staticmethod
     def parse(options: Mapping[str, Any] | None) -> BackendOptions:
@@ -103,9 +101,9 @@ class BackendOptions:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise UnknownConfigFieldError(
-                f"backend {NAME!r} has no option(s) {', '.join(map(repr, unknown))}; the "
-                f"valid options are: {', '.join(OPTIONS)} (torch.compile(model, "
-                f"backend={NAME!r}, options={{'num_microbatch': 4, ...}}))")
+                unknown_options_message(f"backend {NAME!r}", unknown, OPTIONS)
+                + f" (torch.compile(model, backend={NAME!r}, options={{'num_microbatch': "
+                  "4, ...}))")
         # RoundPipeRunConfig validates the options it shares with the backend.
         run = RoundPipeRunConfig(
             num_microbatch=options.get("num_microbatch"),
@@ -143,6 +141,12 @@ class BackendOptions:
 
 
 # --- the backend ---------------------------------------------------------------------------
+
+#: The options ``torch.compile(..., backend="roundpipe", options={...})`` accepts, with
+#: what each does (read off :class:`BackendOptions`).
+OPTIONS: Mapping[str, str] = {f.name: f.metadata["help"]
+                              for f in dataclasses.fields(BackendOptions)}
+
 
 class RoundPipeBackend:
     """A ``torch.compile`` backend with its own device pool and placement table.
@@ -198,10 +202,7 @@ class RoundPipeBackend:
     def _memory_cap(self) -> int | None:
         if self.options.memory_cap is not None:
             return self.options.memory_cap
-        free = [d.free_bytes() for d in self.devices]
-        if any(f is None for f in free):
-            return None
-        return int(min(free) * self.options.memory_fraction / 2)  # type: ignore[type-var]
+        return memory_cap(self.devices, self.options.memory_fraction)
 
     def _next_call(self) -> int:
         with self._lock:
@@ -338,20 +339,14 @@ class _PipelinedGraph:
             note = ("microbatches: 1 (" + (split if isinstance(split, str) else
                                            "num_microbatch=1") + ")")
         log.info("roundpipe: %s", note)
-        device_model = DeviceModel.for_device(devices[0].torch_device)
         # The passes from layers on, as roundpipe.compile runs them.
-        layers = assign_layers(traced, dg.unit_roots)
-        program = generate_unit_programs(traced, layers)
-        report = estimate_costs(traced, layers, program, device_model,
-                                scale=1.0 / self.num_microbatch)
-        num_stages = opts.num_stages
-        if num_stages is not None:
-            num_stages = min(num_stages, max_pipeline_stages(len(layers.units)))
-        self.plan = make_plan(program, layers.units, report, num_devices=len(devices),
-                              num_microbatch=self.num_microbatch, device_model=device_model,
-                              memory_cap=backend._memory_cap(), num_stages=num_stages,
-                              recompute_grain=opts.recompute_grain,
-                              notes=traced.notes + (note,))
+        self.plan, _, _ = plan_from_traced(
+            traced, dg.module_tree,
+            PlanOptions(num_devices=len(devices), num_microbatch=self.num_microbatch,
+                        device_model=DeviceModel.for_device(devices[0].torch_device),
+                        memory_cap=backend._memory_cap(), num_stages=opts.num_stages,
+                        recompute_grain=opts.recompute_grain),
+            cost_scale=1.0 / self.num_microbatch, notes=(note,))
         self.program = self.plan.program
         self.host = _GraphHost(self.program)
         self._executors: dict[int, Executor] = {}
@@ -407,7 +402,7 @@ class _Call:
         self.sizes = self._microbatch_sizes()
         self.stash: list[dict[str, Any]] | None = None
         self.rules: list[Any] = []
-        self.out_sizes: dict[int, list[int]] = {}  # concatenated outputs: rows per microbatch
+        self.pieces: dict[int, list[Any]] = {}  # output column -> its microbatch values
         self.outputs: list[Any] = []
         self.tensor_columns: list[int] = []
         self.versions: list[tuple[str, torch.Tensor, int]] = []
@@ -459,23 +454,16 @@ class _Call:
 
     def keys(self) -> list[RngKey | None]:
         backend = self.graph.backend
-        if not backend.options.preserve_rng_state:
-            return [None] * len(self.sizes)
-        call = backend._next_call()
-        return [RngKey(backend.seed, call, mb) for mb in range(len(self.sizes))]
-
-    def _autocast(self) -> tuple[str, torch.dtype] | None:
-        kind = self.graph.backend.devices[0].torch_device.type
-        if not torch.is_autocast_enabled(kind):
-            return None
-        return kind, torch.get_autocast_dtype(kind)
+        enabled = backend.options.preserve_rng_state
+        return microbatch_keys(backend.seed, backend._next_call() if enabled else 0,
+                               len(self.sizes), enabled=enabled)
 
     # --- forward -----------------------------------------------------------------------
     def forward(self, record: bool, needs_grad: Mapping[str, bool] | None = None) -> list[Any]:
         graph, backend = self.graph, self.graph.backend
         inputs = self._inputs(needs_grad or {})
         self.key_list = self.keys()
-        self.autocast = self._autocast()
+        self.autocast = autocast_state(backend.devices)
         anchor_slot = graph.unit_anchor[0] if graph.unit_anchor else None
         with backend._lock:
             num_devices = len(backend.devices)
@@ -516,26 +504,16 @@ class _Call:
         n_out = len(self.graph.program.outputs)
         rules = (list(self.graph.split.outputs) if self.graph.split is not None
                  and len(per_mb) > 1 else ["first"] * n_out)
-        batch = sum(self.sizes)
         merged: list[Any] = []
         seen: set[int] = set()
         inputs = {id(v) for v in self.values.values() if isinstance(v, torch.Tensor)}
         stashed = {id(v) for mb in (result.stash or []) for v in mb.values()}
         for j, rule in enumerate(rules):
             column = [o[j] for o in per_mb]
-            if rule == "first" or not isinstance(column[0], (torch.Tensor, int)):
-                value = column[0]
-            elif rule == "sum":
-                value = column[0]
-                for v in column[1:]:
-                    value = value + v
-            elif rule == "mean":
-                value = column[0] * (self.sizes[0] / batch)
-                for v, b in zip(column[1:], self.sizes[1:]):
-                    value = value + v * (b / batch)
-            else:
-                value = torch.cat(column, dim=rule)
-                self.out_sizes[j] = [int(c.shape[rule]) for c in column]
+            if not isinstance(column[0], (torch.Tensor, int)):
+                rule = rules[j] = "first"
+            value = merge_column(column, rule, self.sizes)
+            self.pieces[j] = column
             # Autograd needs distinct outputs that are not (views of) the inputs, and the
             # stash the recompute reads must not change if the user writes to an output.
             if isinstance(value, torch.Tensor):
@@ -581,12 +559,12 @@ class _Call:
         num_mb = len(self.sizes)
         output_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(num_mb)]
         program = graph.program
-        batch = sum(self.sizes)
         for j, grad in zip(self.tensor_columns, grads):
             ref = program.outputs[j]
             if grad is None or ref.value is None:
                 continue
-            for mb, piece in enumerate(self._split_grad(j, grad, batch)):
+            for mb, piece in enumerate(split_grad(grad, self.rules[j], self.pieces[j],
+                                                  self.sizes)):
                 if piece is not None:
                     store = output_grads[mb]
                     store[ref.value] = store[ref.value] + piece if ref.value in store \
@@ -600,7 +578,7 @@ class _Call:
                 keys=self.key_list, fence_version=0, autocast=self.autocast)
             graph.last_stats = backend._stats = result.stats
         self.stash = None
-        param_grads = _fold(result.param_grads)
+        param_grads = {slot: fold_unit_grads(c) for slot, c in result.param_grads.items()}
         input_grads = self._input_grads(result)
         out: list[torch.Tensor | None] = []
         tensors = [i for i, a in enumerate(self.args) if isinstance(a, torch.Tensor)]
@@ -615,36 +593,18 @@ class _Call:
                 out.append(None)
         return out
 
-    def _split_grad(self, column: int, grad: torch.Tensor, batch: int
-                    ) -> list[torch.Tensor | None]:
-        """The inverse of the merge of output ``column``."""
-        n, rule = len(self.sizes), self.rules[column]
-        if n == 1 or rule == "first":
-            return [grad] + [None] * (n - 1)
-        if rule == "sum":
-            return [grad] * n
-        if rule == "mean":
-            return [grad * (b / batch) for b in self.sizes]
-        return list(torch.split(grad, self.out_sizes[column], dim=rule))
-
     def _input_grads(self, result: RunResult) -> dict[str, torch.Tensor]:
         per_mb = result.input_grads or []
         split = set(self.graph.split.inputs) if self.graph.split is not None else set()
         out: dict[str, torch.Tensor] = {}
         for name, value in self.values.items():
-            pieces = [g.get(name) for g in per_mb]
-            if all(p is None for p in pieces) or not isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.Tensor):
                 continue
-            if name in split and len(pieces) > 1:
-                full = [p if p is not None else torch.zeros_like(piece) for p, piece in
-                        zip(pieces, torch.split(value.detach(), self.sizes))]
-                out[name] = torch.cat(full)
-            else:
-                total = None
-                for p in pieces:
-                    if p is not None:
-                        total = p.clone() if total is None else total + p
-                out[name] = total  # type: ignore[assignment]
+            pieces = ([p.detach() for p in torch.split(value, self.sizes)]
+                      if name in split and len(per_mb) > 1 else None)
+            grad = join_input_grad([g.get(name) for g in per_mb], pieces)
+            if grad is not None:
+                out[name] = grad
         return out
 
 
@@ -678,21 +638,6 @@ class _GraphFunction(torch.autograd.Function):
         result = call.backward(grads, ctx.needs_input_grad[1:])
         ctx.call = None
         return (None, *result)
-
-
-def _fold(param_grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]]
-          ) -> dict[str, torch.Tensor]:
-    """Per-unit gradient contributions, folded in descending unit order (as
-    ``ModelState.commit_grads`` does), into fresh tensors (the executor's download
-    buffers are reused by its next call)."""
-    out: dict[str, torch.Tensor] = {}
-    for slot, contributions in param_grads.items():
-        ordered = sorted(contributions, key=lambda c: -c[0])
-        total = ordered[0][1].clone()
-        for _, g in ordered[1:]:
-            total = total + g
-        out[slot] = total
-    return out
 
 
 def _raise_on_call(error: RoundPipeError) -> Callable[..., Any]:

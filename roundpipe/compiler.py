@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ import torch
 from .errors import ConfigError, PartitionError
 from .passes.codegen import build_stage_module, generate_unit_programs
 from .passes.cost import CostReport, DeviceModel, estimate_costs
-from .passes.layers import assign_layers, find_unit_roots, parallel_containers
+from .passes.layers import (LayerAssignment, ModuleTree, assign_layers, find_unit_roots,
+                            module_tree, parallel_containers)
 from .passes.leaves import resolve_leaf_modules
 from .passes.output_merge import default_split, plan_output_merge
 from .passes.partition import (PipelineCuts, max_pipeline_stages, partition_pipeline,
@@ -61,19 +63,13 @@ def analyze(
     """
     device_model = device_model or DeviceModel.for_device("cpu")
     # 1. trace: one flat graph, state as placeholders, tied weights deduplicated.
-    roots = find_unit_roots(model, resolve_leaf_modules(model, leaf_modules))
+    tree = module_tree(model)
+    roots = find_unit_roots(tree, resolve_leaf_modules(model, leaf_modules))
     traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots,
                    opaque_modules=leaf_modules, share_blocks=share_blocks)
+    # Leaves found while tracing hide what is inside them.
     hidden = frozenset(resolve_leaf_modules(model, leaf_modules)) | frozenset(traced.leaves)
-    if traced.leaves:  # leaves found while tracing hide what is inside them
-        roots = find_unit_roots(model, hidden)
-    # 2. layers: group nodes into layer units (repeated blocks, prologue, epilogue);
-    # sibling blocks that do not feed one another (experts) are kept whole.
-    layers = assign_layers(traced, roots)
-    parallel = parallel_containers(traced, layers)
-    if parallel:
-        roots = find_unit_roots(model, hidden | parallel)
-        layers = assign_layers(traced, roots)
+    layers = assign_units(traced, tree, hidden)
     # 6a. codegen: one program per unit; cuts only ever fall between units.  Where an
     # output mixes samples, the per-sample values it is computed from (under the usual
     # split of the inputs) are unit outputs, so pipe(x) can recompute it on the batch.
@@ -88,6 +84,54 @@ def analyze(
     report = estimate_costs(traced, layers, program, device_model, scale=cost_scale)
     return Analysis(program, layers.units, report, traced.notes + layers.notes,
                     traced.leaves, traced)
+
+
+def assign_units(traced: TracedGraph, tree: ModuleTree,
+                 hidden: frozenset[str] = frozenset()) -> LayerAssignment:
+    """Pass 2, layers, as both front ends run it: group nodes into layer units
+    (repeated blocks, prologue, epilogue); sibling blocks that do not feed one another
+    (experts) are kept whole."""
+    layers = assign_layers(traced, find_unit_roots(tree, hidden))
+    parallel = parallel_containers(traced, layers)
+    if parallel:
+        layers = assign_layers(traced, find_unit_roots(tree, hidden | parallel))
+    return layers
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How a program is cut into stages (what :func:`make_plan` needs besides costs)."""
+
+    num_devices: int
+    """Devices the plan is balanced for (round robin over them)."""
+    num_microbatch: int
+    """Microbatches per call; the schedule estimate runs this many."""
+    device_model: DeviceModel
+    """Throughput figures of the devices (compute, PCIe link)."""
+    memory_cap: int | None = None
+    """Bytes one stage may use on a device (None: unlimited)."""
+    num_stages: int | None = None
+    """Exact number of stages (None: the fewest, at least ``num_devices + 1``, that fit
+    the cap)."""
+    recompute_grain: str = "stage"
+    """Grain shown in the plan and assumed by the OOM advice (each call may override)."""
+
+
+def plan_from_traced(traced: TracedGraph, tree: ModuleTree, options: PlanOptions, *,
+                     cost_scale: float = 1.0, notes: Sequence[str] = ()
+                     ) -> tuple[StagePlan, LayerAssignment, CostReport]:
+    """The passes from layers on, for a graph a front end already traced (the
+    ``torch.compile`` backend's Dynamo graphs): layers, codegen, cost, partition,
+    recompute."""
+    layers = assign_units(traced, tree)
+    program = generate_unit_programs(traced, layers)
+    report = estimate_costs(traced, layers, program, options.device_model, scale=cost_scale)
+    if options.num_stages is not None:
+        options = dataclasses.replace(
+            options, num_stages=min(options.num_stages, max_pipeline_stages(len(layers.units))))
+    plan = make_plan(program, layers.units, report, options,
+                     notes=tuple(traced.notes) + tuple(layers.notes) + tuple(notes))
+    return plan, layers, report
 
 
 def compile_model(
@@ -137,9 +181,8 @@ def compile_model(
                        device_model=device_model, leaf_modules=leaf_modules,
                        share_blocks=share_blocks)
     plan = make_plan(analysis.program, analysis.units, analysis.report,
-                     num_devices=num_devices, num_microbatch=num_microbatch,
-                     device_model=device_model, memory_cap=memory_cap,
-                     num_stages=num_stages, recompute_grain=recompute_grain,
+                     PlanOptions(num_devices, num_microbatch, device_model, memory_cap,
+                                 num_stages, recompute_grain),
                      notes=analysis.notes)
     log.info("roundpipe: compiled %s (%s, %d units, %d stages) in %.2f s",
              type(model).__name__, analysis.program.trace_method, len(analysis.units),
@@ -151,13 +194,8 @@ def make_plan(
     program: ModelProgram,
     units: Sequence[LayerUnit],
     report: CostReport,
+    options: PlanOptions,
     *,
-    num_devices: int,
-    num_microbatch: int,
-    device_model: DeviceModel,
-    memory_cap: int | None = None,
-    num_stages: int | None = None,
-    recompute_grain: str = "stage",
     notes: Sequence[str] = (),
 ) -> StagePlan:
     """Partition, plan recompute and generate stage programs from unit costs.
@@ -165,10 +203,12 @@ def make_plan(
     Separate from :func:`compile_model` so a plan can be recomputed from measured times
     without tracing again.
     """
+    num_devices, num_microbatch = options.num_devices, options.num_microbatch
+    memory_cap, recompute_grain = options.memory_cap, options.recompute_grain
     costs = report.units
     # 4. partition: exact min-max over forward, fused tail and backward stages.
     cuts = _choose_cuts(costs, num_devices=num_devices, memory_cap=memory_cap,
-                        num_stages=num_stages, names=[u.name for u in units],
+                        num_stages=options.num_stages, names=[u.name for u in units],
                         recompute_grain=recompute_grain)
     ranges = ([("fwd", p) for p in cuts.forward_parts]
               + [("fused", (cuts.tail_start, len(costs)))]
@@ -181,7 +221,7 @@ def make_plan(
                                recompute_grain) for i, (kind, rng) in enumerate(ranges))
     schedule = simulate_round_robin(
         [s.est_time_s for s in stages], num_microbatch, num_devices,
-        upload_times=[s.param_bytes / device_model.link_bytes_per_s for s in stages])
+        upload_times=[s.param_bytes / options.device_model.link_bytes_per_s for s in stages])
     return StagePlan(
         program=program,
         units=tuple(units),

@@ -114,13 +114,13 @@ __all__ = [
 
 
 def unknown_options_message(owner: str, unknown: Iterable[str], known: Iterable[str]) -> str:
-    """``RoundPipe`` has no option ``device`` (did you mean ``devices``?); its options
-    are: ..."""
+    """``RoundPipe`` has no option ``device`` (did you mean ``devices``?); the valid
+    options are: ..."""
     names = [k for k in known if k not in ("self", "model") and not k.startswith("_")
              and k not in ("unknown", "args", "kwargs")]
     parts = []
     for name in sorted(unknown):
         close = difflib.get_close_matches(name, names, n=1)
         parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (f"{owner} has no option(s) {', '.join(parts)}; its options are: "
+    return (f"{owner} has no option(s) {', '.join(parts)}; the valid options are: "
             f"{', '.join(names)}")

@@ -100,9 +100,9 @@ class GradScaler:
 
     def _bind(self, pipe: RoundPipe) -> None:
         self._pipe = pipe
-        pipe._nonfinite_loss_ok = self.enabled  # an inf/NaN loss skips the step
-        pipe._step_hooks.append(self._on_step_enqueued)
-        pipe._sync_hooks.append(self._on_synchronized)
+        pipe.attach_step_observer(on_step_enqueued=self._on_step_enqueued,
+                                  on_synchronized=self._on_synchronized,
+                                  nonfinite_loss_ok=self.enabled)  # inf/NaN skips the step
 
     def _bound(self) -> RoundPipe | None:
         """The pipe, binding to the one this code runs for (or last used) if need be."""
@@ -154,7 +154,7 @@ class GradScaler:
             raise ConfigError(
                 "GradScaler.step(opt) runs outside any pipe's step: call it inside "
                 "pipe.step(lambda: scaler.step(opt)), or make the scaler with GradScaler(pipe)")
-        version = pipe._optimizer.current_version
+        version = pipe.running_step
         with self._lock:
             scale = self._step_scales.pop(version, self._visible) if version is not None \
                 else self._visible

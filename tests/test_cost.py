@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compiled import compile_capturing, compiled
-from roundpipe.compiler import make_plan
+from roundpipe.compiler import PlanOptions, make_plan
 from roundpipe.passes.cost import DeviceModel, estimate_costs, with_measured_times
 
 CPU_MODEL = DeviceModel.for_device("cpu")
@@ -195,8 +195,9 @@ def test_gpt_tied_weight_counts_in_each_unit_and_once_per_stage():
     tied_bytes = c.model.wte.weight.numel() * c.model.wte.weight.element_size()
     assert c.plan.costs[names.index("wte")].param_bytes == tied_bytes
     assert c.plan.costs[names.index("head")].param_bytes == tied_bytes
-    one_stage = make_plan(c.program, c.plan.units, c.report, num_devices=1,
-                          num_microbatch=2, device_model=CPU_MODEL, num_stages=1)
+    one_stage = make_plan(c.program, c.plan.units, c.report,
+                          PlanOptions(num_devices=1, num_microbatch=2, device_model=CPU_MODEL,
+                                      num_stages=1))
     assert len(one_stage.stages) == 1
     all_params = sum(p.numel() * p.element_size() for p in c.model.parameters())
     assert one_stage.stages[0].param_bytes == all_params
@@ -213,8 +214,8 @@ def test_with_measured_times_replaces_estimates():
     assert [m.fwd_time_s for m in measured] == [e.fwd_time_s for e in costs]
     # The partitioner then balances measured times: stage times are their sums.
     report = dataclasses.replace(c.report, units=measured)
-    plan = make_plan(c.program, c.plan.units, report, num_devices=2, num_microbatch=3,
-                     device_model=CPU_MODEL)
+    plan = make_plan(c.program, c.plan.units, report,
+                     PlanOptions(num_devices=2, num_microbatch=3, device_model=CPU_MODEL))
     for stage in plan.stages:
         units = measured[stage.units[0]:stage.units[1]]
         if stage.kind == "fwd":

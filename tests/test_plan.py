@@ -13,7 +13,7 @@ import torch.nn as nn
 import models
 import roundpipe
 from compiled import compiled
-from roundpipe.compiler import compile_model, make_plan
+from roundpipe.compiler import PlanOptions, compile_model, make_plan
 from roundpipe.errors import ConfigError, PartitionError
 from roundpipe.passes.cost import DeviceModel
 from roundpipe.plan import StagePlan, compact_unit_names
@@ -27,8 +27,9 @@ HEADERS = ["stage", "kind", "units", "params (MiB)", "est. time", "act in/out (M
 def _plan(name: str, devices: int, **options) -> StagePlan:
     """Re-partition a cached compile for another device count (no retrace)."""
     c = compiled(name)
-    return make_plan(c.program, c.plan.units, c.report, num_devices=devices,
-                     num_microbatch=devices + 1, device_model=CPU_MODEL, **options)
+    return make_plan(c.program, c.plan.units, c.report,
+                     PlanOptions(num_devices=devices, num_microbatch=devices + 1,
+                                 device_model=CPU_MODEL, **options))
 
 
 def _bwd_memory(cost) -> int:

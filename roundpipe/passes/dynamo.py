@@ -19,7 +19,8 @@ State slots are the placeholders whose example is a parameter or whose source is
 buffer (``L['self']._modules['h']._modules['0']._buffers['running_mean']``); their names
 come from the source.  Everything else is a user input.  The graph has no ``nn.Module``,
 so the layer units come from the ``nn_module_stack`` paths and types recorded on the nodes
-(:func:`unit_roots`, the counterpart of :func:`~roundpipe.passes.layers.find_unit_roots`).
+(:func:`graph_module_tree`, read by :func:`~roundpipe.passes.layers.find_unit_roots` as
+``roundpipe.compile`` reads the model's own tree).
 
 Torch-level IR hides what ATen schemas say, so this pass also records:
 
@@ -51,7 +52,7 @@ import torch.utils._pytree as pytree
 
 from ..plan import InputSignature, OutputRef, StateSpec
 from .codegen import RANDOM
-from .layers import WRITES
+from .layers import WRITES, ModuleTree
 from .mode_regions import mark_mode_regions
 from .trace import MODULE_PATH, MUTATES, TracedGraph
 
@@ -91,7 +92,7 @@ class DynamoGraph:
     """A Dynamo graph converted for the passes from ``layers`` on."""
 
     traced: TracedGraph
-    unit_roots: tuple[str, ...]
+    module_tree: ModuleTree  # the layers pass finds the units in it
     placeholders: tuple[Placeholder, ...]
 
 
@@ -250,7 +251,7 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> DynamoGr
         example_inputs=tuple(user_examples),
         method=METHOD,
     )
-    return DynamoGraph(traced=traced, unit_roots=unit_roots(graph, state),
+    return DynamoGraph(traced=traced, module_tree=graph_module_tree(graph, state),
                        placeholders=tuple(infos_out))
 
 
@@ -350,19 +351,10 @@ def module_path(node: torch.fx.Node) -> str:
     return normalize_path(list(stack.values())[-1][0])
 
 
-# A child of a repeated container is replaced by its own inner units when those cover at
-# least this share of its parameters (as in layers.find_unit_roots).
-_NESTED_COVERAGE = 0.5
-
-
-def unit_roots(graph: torch.fx.Graph, state: Iterable[StateSpec]) -> tuple[str, ...]:
-    """Paths of the repeated blocks, from the ``nn_module_stack`` of the graph's nodes.
-
-    The rule of :func:`~roundpipe.passes.layers.find_unit_roots`, on what the graph shows:
-    a module with at least two numbered children (``h.0``, ``h.1``) that all have one type
-    and hold parameters is a repeated container; its children are the units, or their own
-    inner units where those cover most of their parameters.
-    """
+def graph_module_tree(graph: torch.fx.Graph, state: Iterable[StateSpec]) -> ModuleTree:
+    """The module hierarchy as the graph shows it: paths and types from the nodes'
+    ``nn_module_stack``, parameter counts from the state's names.  A module whose children
+    are all numbered (``h.0``, ``h.1``) stands for a ``ModuleList`` / ``Sequential``."""
     types: dict[str, type | None] = {}
     for node in graph.nodes:
         for path, cls in (node.meta.get("nn_module_stack") or {}).values():
@@ -380,37 +372,17 @@ def unit_roots(graph: torch.fx.Graph, state: Iterable[StateSpec]) -> tuple[str, 
                 prefix = ".".join(parts[:i])
                 numel[prefix] = numel.get(prefix, 0) + size
                 types.setdefault(prefix, None)
-    children: dict[str, list[str]] = {}
+    types.setdefault("", None)
+    children: dict[str, list[str]] = {path: [] for path in types}
     for path in types:
         if path:
-            parent, _, _ = path.rpartition(".")
+            parent = path.rpartition(".")[0]
             children.setdefault(parent, []).append(path)
-
-    def repeated(path: str) -> bool:
-        kids = [k for k in children.get(path, []) if k.rpartition(".")[2].isdigit()]
-        if len(kids) < 2 or len(kids) != len(children.get(path, [])):
-            return False
-        kinds = {types.get(k) for k in kids}
-        return len(kinds) == 1 and None not in kinds and all(numel.get(k, 0) > 0 for k in kids)
-
-    def expand(container: str) -> list[str]:
-        roots: list[str] = []
-        for kid in sorted(children.get(container, []), key=_path_key):
-            inner = expand(kid) if repeated(kid) else roots_in(kid)
-            covered = sum(numel.get(r, 0) for r in inner)
-            if inner and numel.get(kid, 0) and covered >= _NESTED_COVERAGE * numel[kid]:
-                roots.extend(inner)
-            else:
-                roots.append(kid)
-        return roots
-
-    def roots_in(path: str) -> list[str]:
-        roots: list[str] = []
-        for kid in sorted(children.get(path, []), key=_path_key):
-            roots.extend(expand(kid) if repeated(kid) else roots_in(kid))
-        return roots
-
-    return tuple(expand("") if repeated("") else roots_in(""))
+            types.setdefault(parent, None)
+    ordered = {path: tuple(sorted(kids, key=_path_key)) for path, kids in children.items()}
+    sequences = frozenset(path for path, kids in ordered.items()
+                          if kids and all(k.rpartition(".")[2].isdigit() for k in kids))
+    return ModuleTree(ordered, types, numel, sequences)
 
 
 def _path_key(path: str) -> tuple:

@@ -63,68 +63,85 @@ class LayerAssignment:
     notes: tuple[str, ...] = ()  # why units were merged, for the plan's notes
 
 
-def find_unit_roots(model: torch.nn.Module, opaque: Iterable[str] = ()) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class ModuleTree:
+    """What the unit rule reads of a module hierarchy, from an ``nn.Module``
+    (:func:`module_tree`) or from the module paths a graph records
+    (:func:`roundpipe.passes.dynamo.graph_module_tree`), so both front ends cut units by
+    one rule.
+
+    Paths are dotted (``""`` is the root).  ``kind`` is the module's type (None where
+    unknown), ``numel`` the parameters it holds (tied ones once), ``sequences`` the
+    containers whose children are numbered positions (``ModuleList``, ``Sequential``).
+    """
+
+    children: dict[str, tuple[str, ...]]
+    kind: dict[str, type | None]
+    numel: dict[str, int]
+    sequences: frozenset[str]
+
+
+def module_tree(model: torch.nn.Module) -> ModuleTree:
+    children: dict[str, tuple[str, ...]] = {}
+    kind: dict[str, type | None] = {}
+    numel: dict[str, int] = {}
+    sequences = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        kind[path] = type(module)
+        numel[path] = sum(p.numel() for p in module.parameters())
+        children[path] = tuple(_join(path, n) for n, _ in module.named_children())
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            sequences.add(path)
+    return ModuleTree(children, kind, numel, frozenset(sequences))
+
+
+def find_unit_roots(model: torch.nn.Module | ModuleTree, opaque: Iterable[str] = ()
+                    ) -> tuple[str, ...]:
     """Module paths of the repeated blocks of ``model`` (children of repeated containers).
 
     Modules in ``opaque`` (leaf modules, run as one call) are not looked into: experts in a
     ``ModuleList`` inside an opaque mixture-of-experts block cannot be units, so the layer
     holding the block is one.
     """
+    tree = model if isinstance(model, ModuleTree) else module_tree(model)
     hidden = frozenset(opaque)
-    if _is_repeated(model):
-        return tuple(_expand_children(model, "", hidden))
-    return tuple(_roots_in(model, "", hidden))
+
+    def repeated(path: str) -> bool:
+        kids = tree.children.get(path, ())
+        kinds = {tree.kind.get(k) for k in kids}
+        return (path in tree.sequences and len(kids) >= 2 and len(kinds) == 1
+                and None not in kinds and all(tree.numel.get(k, 0) > 0 for k in kids))
+
+    def expand(container: str) -> list[str]:
+        roots: list[str] = []
+        for kid in tree.children.get(container, ()):
+            # A child that is itself a repeated container (ModuleList of ModuleLists) is
+            # expanded like one: its children are units too, at any depth.
+            if kid in hidden:
+                inner: list[str] = []
+            else:
+                inner = expand(kid) if repeated(kid) else roots_in(kid)
+            covered = sum(tree.numel.get(r, 0) for r in inner)
+            total = tree.numel.get(kid, 0)
+            if inner and total and covered >= _NESTED_COVERAGE * total:
+                roots.extend(inner)
+            else:
+                roots.append(kid)
+        return roots
+
+    def roots_in(path: str) -> list[str]:
+        roots: list[str] = []
+        for kid in tree.children.get(path, ()):
+            if kid in hidden:
+                continue
+            roots.extend(expand(kid) if repeated(kid) else roots_in(kid))
+        return roots
+
+    return tuple(expand("") if repeated("") else roots_in(""))
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _num_params(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _is_repeated(module: torch.nn.Module) -> bool:
-    if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
-        return False
-    children = list(module.children())
-    return (len(children) >= 2 and len({type(c) for c in children}) == 1
-            and all(_num_params(c) > 0 for c in children))
-
-
-def _expand_children(container: torch.nn.Module, prefix: str,
-                     hidden: frozenset[str]) -> list[str]:
-    roots: list[str] = []
-    for name, child in container.named_children():
-        path = _join(prefix, name)
-        # A child that is itself a repeated container (ModuleList of ModuleLists) is
-        # expanded like one: its children are units too, at any depth.
-        if path in hidden:
-            inner = []
-        elif _is_repeated(child):
-            inner = _expand_children(child, path, hidden)
-        else:
-            inner = _roots_in(child, path, hidden)
-        covered = sum(_num_params(child.get_submodule(r[len(path) + 1:])) for r in inner)
-        total = _num_params(child)
-        if inner and total and covered >= _NESTED_COVERAGE * total:
-            roots.extend(inner)
-        else:
-            roots.append(path)
-    return roots
-
-
-def _roots_in(module: torch.nn.Module, prefix: str, hidden: frozenset[str]) -> list[str]:
-    roots: list[str] = []
-    for name, child in module.named_children():
-        path = _join(prefix, name)
-        if path in hidden:
-            continue
-        if _is_repeated(child):
-            roots.extend(_expand_children(child, path, hidden))
-        else:
-            roots.extend(_roots_in(child, path, hidden))
-    return roots
 
 
 _CALL_NUMBER = re.compile(r"@(\d+)$")

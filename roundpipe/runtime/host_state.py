@@ -186,15 +186,27 @@ class ModelState:
         with torch.no_grad():
             for name, contributions in grads.items():
                 master = self.master(name)
-                ordered = sorted(contributions, key=lambda c: -c[0])
-                total = ordered[0][1].to(master.dtype,
-                                         copy=master.grad is None and name not in owned)
-                for _, g in ordered[1:]:
-                    total = total + g.to(master.dtype)
+                total = fold_unit_grads(contributions, master.dtype,
+                                        fresh=master.grad is None and name not in owned)
                 if master.grad is None:
                     master.grad = total
                 else:
                     master.grad += total
+
+
+def fold_unit_grads(contributions: Sequence[tuple[int, torch.Tensor]],
+                    dtype: torch.dtype | None = None, *, fresh: bool = True) -> torch.Tensor:
+    """Sum per-unit gradient contributions ``(unit index, gradient)`` in descending unit
+    order (the order backward produces them), so the sum does not depend on how units
+    were grouped into stages or on the device count.  ``fresh``: the result never
+    aliases a contribution (the executor's download buffers are reused by its next
+    call)."""
+    ordered = sorted(contributions, key=lambda c: -c[0])
+    first = ordered[0][1]
+    total = first.to(first.dtype if dtype is None else dtype, copy=fresh)
+    for _, g in ordered[1:]:
+        total = total + (g if dtype is None else g.to(dtype))
+    return total
 
 
 class HostState:

@@ -177,24 +177,76 @@ def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int], spec: Any,
     columns = list(zip(*(pytree.tree_flatten(o)[0] for o in outputs)))
     merged = []
     for column, rule in zip(columns, merge_rules(outputs, sizes, spec)):
-        value = _merge_column(list(column), rule)
+        value = merge_column(list(column), rule)
         if isinstance(value, torch.Tensor) and value.device != device:
             value = value.to(device)
         merged.append(value)
     return pytree.tree_unflatten(merged, treespec)
 
 
-def _merge_column(values: list[Any], rule: Any) -> Any:
-    if rule == "first":
+def merge_column(values: Sequence[Any], rule: Any, sizes: Sequence[int] = ()) -> Any:
+    """Merge one output's microbatch values by ``rule``: an int dim (concatenate),
+    ``"sum"``, ``"mean"`` (weighted by the microbatch ``sizes``), ``"stack"`` or
+    ``"first"``.  Both front ends merge here; :func:`split_grad` is the inverse."""
+    values = list(values)
+    if rule == "first" or len(values) == 1 and rule in ("sum", "mean"):  # the value itself
         return values[0]
     if rule == "sum":
         total = values[0]
         for v in values[1:]:
             total = total + v
         return total
+    if rule == "mean":
+        batch = sum(sizes)
+        total = values[0] * (sizes[0] / batch)
+        for v, b in zip(values[1:], sizes[1:]):
+            total = total + v * (b / batch)
+        return total
     if rule == "stack":
         return torch.stack(values)
     return torch.cat(values, dim=rule)
+
+
+def split_grad(grad: torch.Tensor, rule: Any, pieces: Sequence[Any],
+               sizes: Sequence[int] = ()) -> list[torch.Tensor | None]:
+    """The gradient of each microbatch value ``pieces[i]`` of an output merged by
+    ``rule`` (see :func:`merge_column`), given the merged output's gradient."""
+    n = len(pieces)
+    if rule == "stack":  # (even of one microbatch: the merge added a dimension)
+        return list(grad.unbind(0))
+    if rule == "first" or n == 1:
+        return [grad] + [None] * (n - 1)
+    if rule == "sum":
+        return [grad] * n
+    if rule == "mean":
+        batch = sum(sizes)
+        return [grad * (b / batch) for b in sizes]
+    return list(torch.split(grad, [int(p.shape[rule]) for p in pieces], dim=rule))
+
+
+def join_input_grad(pieces: Sequence[torch.Tensor | None], split: Sequence[Any] | None
+                    ) -> torch.Tensor | None:
+    """An input's gradient from its microbatch gradients.
+
+    ``split``: the input's microbatch pieces where it was split along dim 0 (their
+    gradients are concatenated; a microbatch that gave none contributes zeros of its
+    piece's shape), or None where every microbatch read the whole input (their
+    gradients are summed).  The result never aliases a microbatch gradient.
+    """
+    if all(p is None for p in pieces):
+        return None
+    if split is not None:
+        return torch.cat([g if g is not None else torch.zeros_like(x, dtype=_dtype(pieces))
+                          for g, x in zip(pieces, split)])
+    total: torch.Tensor | None = None
+    for p in pieces:
+        if p is not None:
+            total = p.clone() if total is None else total + p
+    return total
+
+
+def _dtype(pieces: Sequence[torch.Tensor | None]) -> torch.dtype:
+    return next(p.dtype for p in pieces if p is not None)
 
 
 # --- merging by the program's proven rules (plan.OutputMergePlan) -------------------------
@@ -231,7 +283,7 @@ def merge_columns(plan: OutputMergePlan, outputs: Sequence[Sequence[Any]],
 
 
 def merged_value(column: MergeColumn, device: torch.device) -> Any:
-    value = _merge_column(list(column.pieces), column.rule)
+    value = merge_column(list(column.pieces), column.rule)
     if isinstance(value, torch.Tensor) and value.device != device:
         value = value.to(device)
     return value
