@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -16,3 +18,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# Pipes shared by the tests of one module (closed by that module); every other pipe a
+# test creates is closed after it, so a failed assertion cannot leak worker threads.
+SHARED_PIPES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@pytest.fixture(autouse=True)
+def _close_pipes_after_each_test():
+    from roundpipe import RoundPipe
+
+    created: weakref.WeakSet = weakref.WeakSet()
+    original = RoundPipe.__init__
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        created.add(self)
+
+    RoundPipe.__init__ = init
+    try:
+        yield
+    finally:
+        RoundPipe.__init__ = original
+        for pipe in list(created):
+            if pipe not in SHARED_PIPES:
+                try:
+                    pipe.close()  # stops the threads even when it raises
+                except Exception:  # noqa: BLE001 - a step the test made fail on purpose
+                    pass

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import hf_models as hf
+from conftest import SHARED_PIPES
 import reference
 from roundpipe import RoundPipe, RoundPipeRunConfig, RoundPipeError, TraceError
 
@@ -29,6 +30,20 @@ def _close_pipes():
     _pipes.clear()
 
 
+@pytest.fixture(autouse=True)
+def _reset_shared_pipes():
+    """Each test sees the shared pipes as new: no gradients, call number 0 (the dropout
+    keys), training mode; so results do not depend on which tests ran before."""
+    for pipe, eager in _pipes.values():
+        for p in pipe.optim_parameters():
+            p.grad = None
+        eager.zero_grad(set_to_none=True)
+        pipe.call_number = 0
+        pipe.train()
+        eager.train()
+    yield
+
+
 def _pipe(name: str, devices: int, dtype: torch.dtype = torch.float32,
           **overrides: Any) -> tuple[RoundPipe, torch.nn.Module]:
     """A pipe and an identical eager model, shared by the tests of this module (each test
@@ -39,6 +54,7 @@ def _pipe(name: str, devices: int, dtype: torch.dtype = torch.float32,
         eager = copy.deepcopy(model)
         pipe = RoundPipe(model, devices=["cpu"] * devices,
                          model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB))
+        SHARED_PIPES.add(pipe)
         _pipes[key] = (pipe, eager)
     return _pipes[key]
 

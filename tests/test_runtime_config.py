@@ -109,12 +109,12 @@ def test_preserve_rng_state_false_draws_fresh_masks():
                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
     with torch.no_grad():
         a = pipe(idx, **kw)["logits"]
-        pipe._calls -= 1
+        pipe.call_number -= 1
         b = pipe(idx, **kw)["logits"]
         assert torch.equal(a, b)
         off = RoundPipeRunConfig(preserve_rng_state=False)
         c = pipe(idx, **kw, run_config=off)["logits"]
-        pipe._calls -= 1
+        pipe.call_number -= 1
         d = pipe(idx, **kw, run_config=off)["logits"]
         assert not torch.equal(c, d)
     pipe.close()

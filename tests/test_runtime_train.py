@@ -97,7 +97,7 @@ def test_dropout_recompute_reproduces_forward_masks():
     def loss_at(delta: float) -> float:
         with torch.no_grad():
             weight.add_(delta * direction)
-        pipe._calls -= 1  # evaluate with the same dropout keys as the call above
+        pipe.call_number -= 1  # evaluate with the same dropout keys as the call above
         out = pipe.forward(idx, **kw, run_config=RoundPipeRunConfig(requires_grad=False))
         with torch.no_grad():
             weight.sub_(delta * direction)
