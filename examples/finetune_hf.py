@@ -29,6 +29,7 @@ from typing import Iterator
 
 import torch
 from progress import Progress
+from train_gpt import parse_devices
 
 import roundpipe
 from roundpipe import RoundPipeRunConfig
@@ -98,14 +99,6 @@ def batches(tokenizer: object, batch_size: int, seed: int
             mask[row, :len(tokens)] = 1
         labels = ids.masked_fill(mask == 0, -100)
         yield {"input_ids": ids, "attention_mask": mask, "labels": labels}, int(mask.sum())
-
-
-def parse_devices(spec: str | None) -> list[str] | None:
-    if spec is None:
-        return None  # every CUDA device, else one CPU device
-    if spec.isdigit():
-        return ["cpu"] * int(spec)
-    return [d.strip() for d in spec.split(",")]
 
 
 def main() -> None:

@@ -345,6 +345,48 @@ def moenet(batch: int = 6):
     return MoENet(), (torch.randn(batch, 8),), {}
 
 
+class Expert(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class SoftMoELayer(nn.Module):
+    """Top-2 mixture of experts that runs every expert (no data-dependent control flow):
+    experts in a ModuleList that all read the same input, not a chain of layers."""
+
+    def __init__(self, d: int, experts: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.router = nn.Linear(d, experts)
+        self.experts = nn.ModuleList([Expert(d) for _ in range(experts)])
+
+    def forward(self, x):
+        h = self.norm(x)
+        w = self.router(h).softmax(-1)
+        top, idx = w.topk(2, dim=-1)
+        gate = torch.zeros_like(w).scatter(-1, idx, top)
+        return x + sum(gate[..., i:i + 1] * e(h) for i, e in enumerate(self.experts))
+
+
+class SoftMoE(nn.Module):
+    def __init__(self, d: int = 8, layers: int = 4, in_features: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, d)
+        self.layers = nn.ModuleList([SoftMoELayer(d) for _ in range(layers)])
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
 class VarArgs(nn.Module):
     """``forward(*args, **kwargs)``, the signature of wrappers such as PEFT's PeftModel."""
 

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import models
@@ -24,47 +23,6 @@ def _float64():
     torch.set_default_dtype(previous)
 
 
-class Expert(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, 2 * d)
-        self.down = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-class MoELayer(nn.Module):
-    """Experts in a ModuleList that all read the same input (not a chain of layers)."""
-
-    def __init__(self, d: int, experts: int = 4) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.router = nn.Linear(d, experts)
-        self.experts = nn.ModuleList([Expert(d) for _ in range(experts)])
-
-    def forward(self, x):
-        h = self.norm(x)
-        w = self.router(h).softmax(-1)
-        top, idx = w.topk(2, dim=-1)
-        gate = torch.zeros_like(w).scatter(-1, idx, top)
-        return x + sum(gate[..., i:i + 1] * e(h) for i, e in enumerate(self.experts))
-
-
-class MoEModel(nn.Module):
-    def __init__(self, d: int = 8, layers: int = 4) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, d)
-        self.layers = nn.ModuleList([MoELayer(d) for _ in range(layers)])
-        self.out = nn.Linear(d, 2)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
-
-
 def _backend_units(model, x, **options):
     backend = rb.RoundPipeBackend(devices=["cpu"] * 2, **options)
     compiled = torch.compile(model, backend=backend)
@@ -77,7 +35,7 @@ def test_moe_layers_are_units_under_both_front_ends():
     """Experts do not feed one another, so each MoE layer is one unit, not one unit per
     expert and router (22 units against 6 before both front ends shared one pass chain)."""
     torch.manual_seed(0)
-    model = MoEModel()
+    model = models.SoftMoE()
     x = torch.randn(6, 6)
     api_units = [u.name for u in analyze(model, (x,)).units]
     assert api_units == ["inp", "layers.0", "layers.1", "layers.2", "layers.3", "out"]
@@ -88,7 +46,7 @@ def test_moe_layers_are_units_under_both_front_ends():
 @pytest.mark.parametrize("devices", [1, 3])
 def test_moe_gradients_equal_eager_through_both_front_ends(devices):
     torch.manual_seed(0)
-    model = MoEModel()
+    model = models.SoftMoE()
     x = torch.randn(6, 6)
     y = torch.randn(6, 2)
     eager = copy.deepcopy(model)

@@ -211,45 +211,6 @@ def test_torch_level_inplace_write_stays_with_its_definition():
     pipe.close()
 
 
-class _Expert(torch.nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.up = torch.nn.Linear(d, 2 * d)
-        self.down = torch.nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-class _MoELayer(torch.nn.Module):
-    def __init__(self, d, experts=4):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(d)
-        self.router = torch.nn.Linear(d, experts)
-        self.experts = torch.nn.ModuleList([_Expert(d) for _ in range(experts)])
-
-    def forward(self, x):
-        h = self.norm(x)
-        w = self.router(h).softmax(-1)
-        top, idx = w.topk(2, dim=-1)
-        gate = torch.zeros_like(w).scatter(-1, idx, top)
-        return x + sum(gate[..., i:i + 1] * e(h) for i, e in enumerate(self.experts))
-
-
-class _MoEModel(torch.nn.Module):
-    def __init__(self, d=16, layers=3):
-        super().__init__()
-        self.inp = torch.nn.Linear(8, d)
-        self.layers = torch.nn.ModuleList([_MoELayer(d) for _ in range(layers)])
-        self.out = torch.nn.Linear(d, 2)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
-
-
 def test_experts_in_a_module_list_are_not_units_the_layers_are():
     """Experts hold most of each layer's parameters (so they look like nested blocks),
     but they do not feed one another: the layers are the units."""
@@ -260,7 +221,7 @@ def test_experts_in_a_module_list_are_not_units_the_layers_are():
     from roundpipe.compiler import analyze
 
     torch.manual_seed(0)
-    model = _MoEModel().double()
+    model = models.SoftMoE(d=16, layers=3, in_features=8).double()
     x = torch.randn(6, 8, dtype=torch.float64)
     assert find_unit_roots(model)[0] == "layers.0.experts.0"  # the module tree alone
     analysis = analyze(model, (x,))
