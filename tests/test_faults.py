@@ -29,7 +29,7 @@ import reference
 from roundpipe import (CheckpointError, ConfigError, GradScaler, InputError, LossError,
                        ModelError, OutOfMemoryError, RoundPipe, RoundPipeError,
                        RoundPipeRunConfig, StageError, StepError, UnknownConfigFieldError,
-                       load_checkpoint, save_checkpoint)
+                       load_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

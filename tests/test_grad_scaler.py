@@ -5,7 +5,6 @@ first."""
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import pytest

@@ -8,7 +8,6 @@ import traceback
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from roundpipe import (ConfigError, InputError, LossError, RoundPipe, RoundPipeRunConfig,
                        UnknownConfigFieldError)

@@ -5,7 +5,6 @@ run-config precedence and stats."""
 from __future__ import annotations
 
 import copy
-import threading
 import time
 
 import pytest

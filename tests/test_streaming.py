@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 import models
 import reference
-from roundpipe import (ConfigError, GradScaler, OutOfMemoryError, PartitionError, RoundPipe,
+from roundpipe import (ConfigError, GradScaler, PartitionError, RoundPipe,
                        RoundPipeRunConfig, StageError)
 from roundpipe.runtime.devices import VirtualCPUDevice
-from roundpipe.runtime.executor import _JobRunner
+from roundpipe.runtime.job_runner import JobRunner
 
 NUM_MB = 4
 
@@ -348,7 +348,7 @@ def test_the_controller_does_not_wait_for_a_microbatchs_downloads():
     started = threading.Event()
     timed_out = []
     fill = VirtualCPUDevice._fill
-    run = _JobRunner.run_microbatch
+    run = JobRunner.run_microbatch
 
     def fill_after_next_start(self, out, tensor):
         if not started.wait(timeout=10):
@@ -363,7 +363,7 @@ def test_the_controller_does_not_wait_for_a_microbatchs_downloads():
     pipe, args = _gpt_pipe(1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(VirtualCPUDevice, "_fill", fill_after_next_start)
-        mp.setattr(_JobRunner, "run_microbatch", run_and_signal)
+        mp.setattr(JobRunner, "run_microbatch", run_and_signal)
         pipe.forward_backward(**args)
     assert started.is_set() and not timed_out
     pipe.close()

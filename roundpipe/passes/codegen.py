@@ -27,7 +27,7 @@ import torch
 import torch.fx
 from torch.fx.node import map_aggregate
 
-from ..plan import ModelProgram, StateSpec, UnitProgram
+from ..plan import ModelProgram, UnitProgram
 from ..ops import modes, rng
 from ..ops.modcall import call_module_functional
 from .layers import LayerAssignment

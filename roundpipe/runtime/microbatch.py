@@ -8,7 +8,7 @@ every tensor whose first dimension equals it is split along dimension 0
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree

@@ -1,0 +1,500 @@
+"""The per-job unit runner: what one job does on its device's thread, microbatch by
+microbatch (upload the stage's state, run its units forward, fused or backward, hand
+values over, download gradients), for :class:`~roundpipe.runtime.executor.Executor`,
+which wires the jobs (:mod:`.jobs`) and schedules them on the devices' threads."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..errors import LossError
+from ..plan import UnitProgram
+from ..ops import modes
+from .devices import Device, Transfer, dense
+from .jobs import Job
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .executor import Executor, _Call
+
+log = logging.getLogger(__name__)
+
+
+class JobRunner:
+    """The work of one job on one device (runs on the device's controller thread)."""
+
+    def __init__(self, ex: Executor, job: Job, device: Device, call: _Call) -> None:
+        self.ex = ex
+        self.job = job
+        self.device = device
+        self.call = call
+        self.units = ex.units[job.start:job.stop]
+        self.state: dict[str, torch.Tensor] = {}
+        self.param_leaves: dict[tuple[int, str], torch.Tensor] = {}
+        self.produced_here = {v for u in self.units for v in u.outputs}
+        self.weights: Transfer | None = None
+        self.held: dict[int, list[Transfer]] = {}      # uploads per microbatch
+        self.prefetched: dict[int, dict[str, Transfer]] = {}
+        self.handed: set[tuple[int, str]] = set()  # (unit, slot) gradients already staged
+        self.hand_over_errors: list[BaseException] = []
+        self.units_by_index = {u.index: u for u in self.units}
+        self.skip = job.skip
+        self.versions: dict[str, int] = {}  # buffer slot -> version when uploaded
+
+    # --- state -------------------------------------------------------------------------
+    def setup(self) -> None:
+        call, ex = self.call, self.ex
+        # Double buffering: the next job on this device loads while this one computes.
+        nxt = self.job.index + len(ex.devices)
+        if nxt < len(call.jobs):
+            ex._start_load(call, call.jobs[nxt])
+        if self.skip:
+            return  # nothing here carries a gradient (frozen layers)
+        if self.job.index not in call.weights:
+            ex._start_load(call, self.job)
+        self.weights = call.weights.pop(self.job.index)
+        self.state = dict(self.weights.result())
+        # In-place writes bump a tensor's version: finish() commits any buffer the
+        # programs wrote that the trace did not show (an opaque module's own code).
+        self.versions = {slot: t._version for slot, t in self.state.items()
+                         if ex.host.specs[slot].kind == "buffer"}
+        if self.job.kind == "fwd":
+            # A unit computes with the same autograd-visible inputs wherever it runs: some
+            # kernels branch on requires_grad even under no_grad (CPU aten.lstm), and a
+            # unit moves between forward, fused and recomputing jobs as the device count
+            # moves the stage boundaries.  (Under no_grad the flags build no graph.)
+            for slot, t in self.state.items():
+                if slot in call.carries and ex.host.trainable(slot):
+                    t.requires_grad_(True)
+        if self.job.kind in ("fused", "bwd"):
+            users: dict[str, int] = {}
+            for unit in self.units:
+                for s in unit.state:
+                    users[s] = users.get(s, 0) + 1
+            for unit in self.units:
+                for s in unit.state:
+                    if s in call.carries and ex.host.trainable(s):
+                        base = self.state[s]
+                        # A parameter read by several units gets one leaf per unit, so its
+                        # gradient is accumulated per unit (device-count invariant).
+                        leaf = base if users[s] == 1 else base.detach()
+                        leaf.requires_grad_(True)
+                        self.param_leaves[(unit.index, s)] = leaf
+
+    def _state_args(self, unit: UnitProgram) -> list[torch.Tensor]:
+        return [self.param_leaves.get((unit.index, s), self.state[s]) for s in unit.state]
+
+    def release(self) -> None:
+        """Give back everything this job uploaded (also after a failure)."""
+        for transfers in self.prefetched.values():
+            for t in transfers.values():
+                t.release()
+        self.prefetched.clear()
+        for mb in list(self.held):
+            self._release_microbatch(mb)
+        if self.weights is not None:
+            self.weights.release()
+            self.weights = None
+        self.state.clear()
+        self.param_leaves.clear()
+
+    def _release_microbatch(self, mb: int) -> None:
+        for t in self.held.pop(mb, []):
+            t.release()
+
+    def _stage_grads(self, unit: int | None = None) -> list[tuple[str, int, torch.Tensor]]:
+        """Download the parameter gradients not staged yet (only ``unit``'s, if given)."""
+        pool = self.ex.grad_buffers
+        staged: list[tuple[str, int, torch.Tensor]] = []
+        leaves = (self.param_leaves.items() if unit is None else
+                  (((unit, slot), self.param_leaves[(unit, slot)])
+                   for slot in self.units_by_index[unit].state
+                   if (unit, slot) in self.param_leaves))
+        for (uid, slot), leaf in leaves:
+            if leaf.grad is None or (uid, slot) in self.handed:
+                continue
+            host = self.device.download(leaf.grad, "grads", out=pool.get((uid, slot)))
+            pool[(uid, slot)] = host
+            self.handed.add((uid, slot))
+            staged.append((slot, uid, host))
+        converted = {}
+        # A parameter read by several units (tied weights, a shared layer) is summed by
+        # the commit into a new tensor anyway: converting each contribution first would
+        # only hold more full-precision copies.
+        single = [(slot, uid, g) for slot, uid, g in staged if self.ex._readers[slot] == 1]
+        if single and self._converts():
+            landed = self.device.after_downloads()
+            converted = {(slot, uid): self.ex.landing.convert_after(
+                landed, g, self.ex._grad_dtype(slot), self.call.steps,
+                functools.partial(self.ex._master_has_no_grad, slot), key=(uid, slot))
+                for slot, uid, g in single}
+        with self.call.lock:
+            for slot, uid, g in staged:
+                self.call.param_grads.setdefault(slot, []).append((uid, g))
+            self.call.converted.update(converted)
+        return staged
+
+    def _converts(self) -> bool:
+        # Data parallel reduces the downloads themselves; its commit reads the reduction.
+        return self.call.on_grads is None and self.ex.landing.converts
+
+    def _hand_over(self, unit: UnitProgram, mb: int) -> None:
+        """Once the last microbatch's backward has passed ``unit``, its parameter
+        gradients are final: download them now, so their conversion to the masters' dtype
+        (or, with an ``on_grads`` hook, their all-reduce) overlaps the backward of the
+        earlier units."""
+        call = self.call
+        if mb != call.num_mb - 1:
+            return
+        if call.on_grads is None:
+            if self._converts():
+                self._stage_grads(unit.index)
+            return
+        staged = self._stage_grads(unit.index)
+        hook, start = call.on_grads, unit.index
+
+        def hand_over(landed: Future) -> None:
+            # The hook reads the gradients on the host, so it runs on the download
+            # waiter once they have landed; this thread goes on with the backward.
+            # An error is kept for finish(): a done-callback's would only be logged.
+            if not landed.cancelled() and landed.exception() is None:
+                try:
+                    hook(start, start + 1, staged)
+                except BaseException as e:  # noqa: BLE001 - raised by finish()
+                    self.hand_over_errors.append(e)
+        self.device.after_downloads().add_done_callback(hand_over)
+
+    def finish(self) -> None:
+        """After the last microbatch: download gradients and updated buffers."""
+        call = self.call
+        staged_grads = self._stage_grads()
+        staged_buffers: dict[str, torch.Tensor] = {}
+        if self.job.kind in ("fwd", "fused"):  # forward work updates buffers
+            mutated = {s for u in self.units for s in u.mutated_state}
+            mutated.update(slot for v, slot in self.ex._buffer_update.items()
+                           if v in self.produced_here)
+            unseen = sorted(slot for slot, version in self.versions.items()
+                            if slot not in mutated and self.state[slot]._version != version)
+            if unseen:
+                _warn_unseen_writes(self.ex, unseen)
+                mutated.update(unseen)
+            for slot in mutated:
+                staged_buffers[slot] = self.device.download(self.state[slot], "buffers")
+        self.device.wait_downloads()  # the hand-over callbacks have run by now
+        if self.hand_over_errors:
+            raise self.hand_over_errors[0]
+        if self.job.kind == "fused" and not call.nonfinite_loss_ok:
+            self._check_losses()
+        with call.lock:
+            call.buffers.update(staged_buffers)
+        if call.on_grads is not None and self.job.kind in ("fused", "bwd"):
+            call.on_grads(self.job.start, self.job.stop, staged_grads)
+
+    # --- values --------------------------------------------------------------------------
+    def _upload(self, mb: int, value: torch.Tensor, category: str) -> torch.Tensor:
+        transfer = self.device.upload_async(value, category)
+        self.held.setdefault(mb, []).append(transfer)
+        return transfer.result()
+
+    def prefetch(self, mb: int) -> None:
+        """Start uploading microbatch ``mb``'s host inputs (its producers have finished)."""
+        if self.skip or mb >= self.call.num_mb or mb in self.prefetched:
+            return
+        store, handoff = self.call.store[mb], self.call.handoff
+        pending: dict[str, Transfer] = {}
+        for name in self.job.reads:
+            value = store.get(name)
+            if isinstance(value, torch.Tensor) and (mb, name) not in handoff:
+                pending[name] = self.device.upload_async(value, "activations")
+        self.prefetched[mb] = pending
+
+    def _host_value(self, mb: int, name: str, cache: dict[str, Any]) -> Any:
+        if name in cache:
+            return cache[name]
+        handed = self.call.handoff.pop((mb, name), None)
+        if handed is not None:
+            value = handed
+        elif name in self.prefetched.get(mb, {}):
+            transfer = self.prefetched[mb].pop(name)
+            self.held.setdefault(mb, []).append(transfer)
+            value = transfer.result()
+        else:
+            try:
+                value = self.call.store[mb][name]
+            except KeyError:
+                raise RuntimeError(f"value {name!r} was not produced before it was needed; "
+                                   "the plan is inconsistent") from None
+            if isinstance(value, torch.Tensor):
+                value = self._upload(mb, value, "activations")
+        cache[name] = value
+        return value
+
+    def _publish(self, mb: int, values: dict[str, Any]) -> None:
+        store = self.call.store[mb]
+        for name in self.job.publishes:
+            value = values[name]
+            store[name] = (self.device.download(value) if isinstance(value, torch.Tensor)
+                           else value)
+        for name in self.job.handoff:
+            value = values[name]
+            self.call.handoff[(mb, name)] = (value.detach() if isinstance(value, torch.Tensor)
+                                             else value)
+
+    def _autocast(self) -> Any:
+        ac = self.call.autocast
+        if ac is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=ac[0], dtype=ac[1])
+
+    def _call_unit(self, unit: UnitProgram, args: list[Any], mb: int) -> tuple[Any, ...]:
+        extra: list[Any] = []
+        if unit.needs_device:
+            extra.append(self.device.torch_device)
+        if unit.needs_rng:
+            extra.append(self.call.keys[mb])
+        run = self.ex.runnable(unit, self.device.torch_device)
+        if unit.index in self.ex.with_regions:
+            with self._autocast(), modes.left_on_error(self.ex.region_device_types):
+                outs = run(*args, *self._state_args(unit), *extra)
+        else:
+            with self._autocast():
+                outs = run(*args, *self._state_args(unit), *extra)
+        # Every value leaves its unit with the layout a transfer would give it, whether or
+        # not a stage boundary follows (see devices.dense).
+        return tuple(dense(o) if isinstance(o, torch.Tensor) else o for o in outs)
+
+    def _apply_buffer_updates(self, unit: UnitProgram, values: dict[str, Any]) -> None:
+        # Reassigned buffers: the next microbatch of this job reads the new value.
+        for v in unit.outputs:
+            slot = self.ex._buffer_update.get(v)
+            if slot is not None:
+                self.state[slot] = values[v]
+
+    # --- microbatches --------------------------------------------------------------------
+    def run_microbatch(self, mb: int, next_ready: bool) -> None:
+        if self.skip:
+            return
+        self.prefetch(mb)
+        if next_ready:
+            self.prefetch(mb + 1)  # overlaps this microbatch's compute
+        if self.job.kind == "fwd":
+            self._forward(mb)
+        elif self.job.kind == "fused":
+            self._fused(mb)
+        elif self.call.grain == "layer":
+            self._backward_layers(mb)
+        else:
+            self._backward_stage(mb)
+        self._release_microbatch(mb)
+
+    def _forward(self, mb: int) -> None:
+        values: dict[str, Any] = {}
+        with torch.no_grad():
+            for unit in self.units:
+                t = self.device.mark()
+                # inputs flagged as the fused and recomputing jobs flag them (see setup)
+                args = [self._leaf(values[v] if v in values
+                                   else self._host_value(mb, v, values), v)
+                        for v in unit.inputs]
+                outs = self._call_unit(unit, args, mb)
+                values.update(zip(unit.outputs, outs))
+                self._apply_buffer_updates(unit, values)
+                self._time(self.call.unit_fwd_s, unit.index, t)
+        self._publish(mb, values)
+
+    def _leaf(self, value: Any, name: str) -> Any:
+        if (isinstance(value, torch.Tensor) and name in self.call.carries
+                and (value.is_floating_point() or value.is_complex())):
+            return value.detach().requires_grad_(True)
+        return value.detach() if isinstance(value, torch.Tensor) else value
+
+    def _forward_unit_grad(self, unit: UnitProgram, mb: int, values: dict[str, Any],
+                           uploaded: dict[str, Any], leaves: dict[tuple[int, str], Any],
+                           from_host_only: bool = False) -> None:
+        """Run one unit as its own autograd graph; its inputs become fresh leaves."""
+        args = []
+        for v in unit.inputs:
+            base = (values[v] if v in values and not from_host_only
+                    else self._host_value(mb, v, uploaded))
+            leaf = self._leaf(base, v)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaves[(unit.index, v)] = leaf
+            args.append(leaf)
+        with torch.enable_grad():
+            outs = self._call_unit(unit, args, mb)
+        values.update(zip(unit.outputs, outs))
+
+    def _backward_unit(self, unit: UnitProgram, mb: int, values: dict[str, Any],
+                       acc: dict[str, torch.Tensor], leaves: dict[tuple[int, str], Any]
+                       ) -> None:
+        tensors, grads = [], []
+        for v in unit.outputs:
+            out = values.get(v)
+            if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                continue
+            g = acc.pop(v, None)
+            if g is None:
+                g = self._host_grad(mb, v)
+            if g is not None:
+                tensors.append(out)
+                grads.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for v in unit.inputs:
+            leaf = leaves.pop((unit.index, v), None)
+            if leaf is not None and leaf.grad is not None:
+                self._add_grad(mb, v, leaf.grad, acc)
+        self._hand_over(unit, mb)
+
+    def _host_grad(self, mb: int, name: str) -> Any:
+        g = self.call.grads[mb].get(name)
+        return None if g is None else self._upload(mb, g, "grads")
+
+    def _add_grad(self, mb: int, name: str, g: torch.Tensor, acc: dict[str, torch.Tensor]
+                  ) -> None:
+        """Fold one reader's gradient into ``name``'s running sum (descending readers)."""
+        if name in acc:
+            acc[name] = acc[name] + g
+            return
+        earlier = self._host_grad(mb, name)
+        acc[name] = g if earlier is None else earlier + g
+
+    def _flush_grads(self, mb: int, acc: dict[str, torch.Tensor]) -> None:
+        """Send running sums of values made by earlier jobs (or inputs) to the host."""
+        store = self.call.grads[mb]
+        for name, g in acc.items():
+            if name not in self.produced_here:
+                store[name] = self.device.download(g, "grads")
+
+    def _backward_stage(self, mb: int) -> None:
+        values: dict[str, Any] = {}
+        uploaded: dict[str, Any] = {}
+        leaves: dict[tuple[int, str], Any] = {}
+        t = self.device.mark()
+        for unit in self.units:  # recompute the whole stage, keeping every unit's graph
+            self._forward_unit_grad(unit, mb, values, uploaded, leaves)
+        acc: dict[str, torch.Tensor] = {}
+        for unit in reversed(self.units):
+            self._backward_unit(unit, mb, values, acc, leaves)
+        self._flush_grads(mb, acc)
+        self._time_range(self.call.unit_bwd_s, t)
+
+    def _backward_layers(self, mb: int) -> None:
+        acc: dict[str, torch.Tensor] = {}
+        uploaded: dict[str, Any] = {}  # a value several units read is uploaded once
+        for unit in reversed(self.units):  # recompute one unit, run its backward, free it
+            t = self.device.mark()
+            values: dict[str, Any] = {}
+            leaves: dict[tuple[int, str], Any] = {}
+            self._forward_unit_grad(unit, mb, values, uploaded, leaves, from_host_only=True)
+            self._backward_unit(unit, mb, values, acc, leaves)
+            self._time(self.call.unit_bwd_s, unit.index, t)
+        self._flush_grads(mb, acc)
+
+    def _fused(self, mb: int) -> None:
+        call = self.call
+        values: dict[str, Any] = {}
+        uploaded: dict[str, Any] = {}
+        leaves: dict[tuple[int, str], Any] = {}
+        t = self.device.mark()
+        for unit in self.units:
+            self._forward_unit_grad(unit, mb, values, uploaded, leaves)
+            self._apply_buffer_updates(unit, values)
+        # The loss reads the model outputs through leaves of their own, so their gradients
+        # enter each value's running sum first (the loss is the last reader).
+        flat: list[Any] = []
+        out_leaves: list[tuple[str, torch.Tensor]] = []
+        for ref in self.ex.program.outputs:
+            if ref.value is None:
+                flat.append(ref.constant)
+                continue
+            base = (values[ref.value] if ref.value in values
+                    else self._host_value(mb, ref.value, uploaded))
+            leaf = self._leaf(base, ref.value)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                out_leaves.append((ref.value, leaf))
+            flat.append(leaf)
+        output = pytree.tree_unflatten(flat, self.ex.program.out_spec)
+        label = pytree.tree_map(
+            lambda x: self._upload(mb, x, "labels") if isinstance(x, torch.Tensor) else x,
+            call.labels[mb])
+        with torch.enable_grad(), self._autocast():
+            loss = call.loss_fn(output, label)  # type: ignore[misc]
+        _check_loss(loss, mb)
+        acc: dict[str, torch.Tensor] = {}
+        if loss.requires_grad:
+            loss.backward()
+            for name, leaf in out_leaves:
+                if leaf.grad is not None:
+                    self._add_grad(mb, name, leaf.grad, acc)
+        for unit in reversed(self.units):
+            self._backward_unit(unit, mb, values, acc, leaves)
+        self._flush_grads(mb, acc)
+        # Checked once the job's downloads have landed (``finish``), not here: reading
+        # the loss now would make this thread wait for the GPU every microbatch.
+        call.losses[mb] = self.device.download(loss.detach(), "losses")
+        self._publish(mb, values)
+        self._time_range(self.call.unit_bwd_s, t)
+
+    def _check_losses(self) -> None:
+        for mb, loss in enumerate(self.call.losses):
+            if loss is not None and not bool(torch.isfinite(loss).all()):
+                error = LossError(
+                    f"loss_fn returned {loss.item()}; nothing was committed. Check the inputs "
+                    "and the learning rate, or, for fp16 training, use roundpipe.GradScaler, "
+                    "which skips such steps and lowers the scale")
+                error._roundpipe_microbatch = mb  # type: ignore[attr-defined]
+                raise error
+
+    # --- timing --------------------------------------------------------------------------
+    def _time(self, table: dict[int, float], unit: int, start: Any) -> None:
+        self._record_time(table, {unit: 1.0}, start)
+
+    def _time_range(self, table: dict[int, float], start: Any) -> None:
+        """Split a stage-level time over its units in proportion to their estimates."""
+        costs = self.ex.plan.costs[self.job.start:self.job.stop]
+        total = sum(c.fwd_time_s for c in costs) or 1.0
+        self._record_time(table, {u.index: c.fwd_time_s / total
+                                  for u, c in zip(self.units, costs)}, start)
+
+    def _record_time(self, table: dict[int, float], shares: dict[int, float], start: Any
+                     ) -> None:
+        # Read when the call ends: on CUDA the marks are events on the compute stream, and
+        # reading them now would wait for the GPU.
+        with self.call.lock:
+            self.call.timings.append((table, shares, self.device, start, self.device.mark()))
+
+
+def _warn_unseen_writes(ex: Executor, slots: list[str]) -> None:
+    names = [ex.host.specs[s].fqn for s in slots]
+    key = tuple(names)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    log.warning(
+        "roundpipe: the forward wrote buffer(s) %s in place although the trace did not show "
+        "it (code roundpipe runs opaquely, e.g. a leaf module in eval mode); the writes are "
+        "committed, but if another layer reads or writes the same buffer its updates may "
+        "depend on where the stages fall", ", ".join(names))
+
+
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def _check_loss(loss: Any, mb: int) -> None:
+    # (the microbatch is named by the error's prefix: "stage 1 (...) at microbatch 0")
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(f"loss_fn returned a {type(loss).__name__}; it must return a scalar "
+                        "tensor")
+    if loss.numel() != 1 or loss.dim() > 1:
+        raise LossError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must be a scalar "
+            "(reduce it, e.g. with .mean() or .sum())"
+        )
+
