@@ -382,6 +382,59 @@ def test_batching_proof_refuses_what_it_cannot_prove():
     assert isinstance(reason, str) and "broadcasts" in reason
 
 
+class RowOp(nn.Module):
+    """An indexing op between two trainable layers."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+        self.op = op
+
+    def forward(self, x):
+        return self.b(self.op(torch.tanh(self.a(x))))
+
+
+ROW_OPS = {  # name -> (op, whether it keeps samples apart)
+    "topk_scatter": (lambda h: torch.zeros_like(h).scatter(
+        -1, h.topk(2, dim=-1).indices, h.topk(2, dim=-1).values), True),
+    "gather_own_index": (lambda h: torch.gather(h, 1, h.argsort(1)), True),
+    "sort_values": (lambda h: h.sort(1)[0] * h, True),
+    "scatter_add_own": (lambda h: h.scatter_add(1, h.argsort(1), h * 2), True),
+    "scatter_reduce_own": (lambda h: h.scatter_reduce(1, h.argsort(1), h, "amax"), True),
+    "topk_batch": (lambda h: h.topk(2, dim=0).values.sum(0) * h, False),
+    "gather_batch": (lambda h: torch.gather(h, 0, h.argsort(0)), False),
+    "scatter_batch": (lambda h: torch.zeros_like(h).scatter(0, h.argsort(0), h), False),
+    "gather_replicated_index": (lambda h: torch.gather(
+        h, 1, torch.zeros(1, 4, dtype=torch.long)).sum() * h, False),
+    "scatter_replicated_index": (lambda h: h + torch.zeros_like(h).scatter_add(
+        1, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_OPS))
+def test_indexing_ops_split_only_when_rows_stay_apart(name):
+    """gather / scatter / topk / sort along a feature dimension with per-sample indices
+    split into microbatches and equal eager; along the batch, or with an index that is
+    not per sample, the proof refuses (one microbatch, still exact)."""
+    op, separable = ROW_OPS[name]
+    torch.manual_seed(0)
+    model = RowOp(op)
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    split = analyze_batching(_capture(copy.deepcopy(model), x)[0])
+    assert isinstance(split, BatchSplit) == separable, split
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="roundpipe", options=DEVICES)(x)
+    out.pow(2).sum().backward()
+    ref = eager(x)
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(out, ref)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert rb.plans()[-1].num_microbatch == (4 if separable else 1)
+
+
 @pytest.mark.parametrize("loss", ["mse_mean", "ce_sum", "ce_mean"])
 def test_losses_computed_in_the_model_merge_exactly(loss):
     torch.manual_seed(0)

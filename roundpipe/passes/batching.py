@@ -356,6 +356,45 @@ def _dim_local(arg_index: int, name: str, default: Any = None) -> Callable[[_Op,
     return handler
 
 
+def _dim_local_pair(arg_index: int, name: str, default: Any = None
+                    ) -> Callable[[_Op, dict], tuple]:
+    """``topk`` / ``sort`` along a dimension that is not the batch's: values and indices
+    are batched like the input."""
+    def handler(op: _Op, state: dict) -> tuple:
+        d, nd = _single_batched(op, state)
+        dim = _arg(op.node, op.args, arg_index, name, default)
+        if dim is None or _norm(dim, nd) == d:
+            raise _NotSafe(f"{op.node.format_node()} runs along the batch dimension")
+        return ("multi", (_b(d), _b(d)))
+    return handler
+
+
+def _gather_scatter(op: _Op, state: dict) -> tuple:
+    """``gather`` / ``scatter`` / ``scatter_add`` / ``scatter_reduce`` along a dimension
+    that is not the batch's, with the index (and source) batched like the input at the
+    same size: row ``i`` reads and writes only row ``i`` (top-k routing in
+    mixture-of-experts layers)."""
+    node = op.node
+    x = op.args[0] if op.args else None
+    sx = _st(x, state)
+    if sx[0] != "B":
+        raise _NotSafe(f"{node.format_node()} writes batch values into a replicated tensor")
+    d, nd = sx[1], _ndim(x)
+    dim = _arg(node, op.args, 1, "dim")
+    if not isinstance(dim, int) or _norm(dim, max(nd, 1)) == d:
+        raise _NotSafe(f"{node.format_node()} indexes along the batch dimension")
+    rows = _shape(x)[d]
+    for a in _flat((op.args[2:], node.kwargs)):
+        if not isinstance(a, torch.fx.Node) or _is_scalar(a):
+            continue
+        shape = _shape(a)
+        if _st(a, state) != sx or len(shape) != nd \
+                or not statically_known_true(shape[d] == rows):
+            raise _NotSafe(f"{node.format_node()}: {a.name} is not batched like "
+                           f"{x.name}, so rows could move between samples")
+    return _b(d)
+
+
 def _layer_norm(op: _Op, state: dict) -> tuple:
     d, nd = _single_batched(op, state)
     shape = _arg(op.node, op.args, 1, "normalized_shape")
@@ -728,6 +767,8 @@ def _getattr(op: _Op, state: dict) -> tuple:
         return ("shape", s[1])
     if attr in ("dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"):
         return R
+    if attr in ("values", "indices") and s[0] == "multi" and len(s[1]) == 2:
+        return s[1][0 if attr == "values" else 1]  # topk / sort's named results
     if attr == "mT" and s[0] == "B":
         nd, d = _ndim(op.args[0]), s[1]
         return _b(nd - 1 if d == nd - 2 else nd - 2 if d == nd - 1 else d)
@@ -831,6 +872,10 @@ for _fn in _OPERATORS:
 _register(["softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp"],
           _dim_local(1, "dim"))
 _register(["glu"], _dim_local(1, "dim", -1))
+_register(["argsort"], _dim_local(1, "dim", -1))
+_register(["topk"], _dim_local_pair(2, "dim", -1))
+_register(["sort"], _dim_local_pair(1, "dim", -1))
+_register(["gather", "scatter", "scatter_add", "scatter_reduce"], _gather_scatter)
 _register(["normalize"], _dim_local(2, "dim", 1), methods=False)
 _register(["layer_norm", "rms_norm"], _layer_norm)
 _register(["group_norm"], _batch_first(lambda nd: nd >= 2))

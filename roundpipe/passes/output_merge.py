@@ -872,6 +872,22 @@ def _gather(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     raise _Mixing(f"{_where(node)} gathers across the batch")
 
 
+def _scatter(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """``scatter`` / ``scatter_add`` / ``scatter_reduce`` along a dimension that is not
+    the batch's: row ``i`` of ``index`` and ``src`` writes only into row ``i`` of
+    ``self``, so a sample's rows are made from its own (top-k routing:
+    ``zeros_like(w).scatter(-1, idx, top)``)."""
+    x, idx = node.args[0], node.args[2]
+    src = node.args[3] if len(node.args) > 3 else None
+    dim = _norm(int(node.args[1]), max(1, _ndim(x)))
+    sx = states.get(x, R)
+    others = [states.get(idx, R)] + ([states.get(src, R)]
+                                     if isinstance(src, torch.fx.Node) else [])
+    if _rows(sx) and sx[1] != dim and all(o == sx for o in others):
+        return sx
+    raise _Mixing(f"{_where(node)} scatters across the batch")
+
+
 def _index(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     """Advanced indexing ``x[i0, i1, ...]``: per sample when a batch value is indexed by
     the sample numbers along its batch dimension (Hugging Face's masks:
@@ -1035,6 +1051,7 @@ _HANDLERS: dict[str, Callable[[torch.fx.Node, dict, Any], tuple]] = {
                                    "arange", "linspace", "logspace", "randperm", "rand",
                                    "randn", "randint", "scalar_tensor")},
     "index_select": _index_select, "gather": _gather, "index": _index,
+    **{n: _scatter for n in ("scatter", "scatter_add", "scatter_reduce")},
     **{n: _rnn for n in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
     "broadcast_tensors": _broadcast_tensors, "multinomial": _rowwise,
     **{n: _elementwise for n in ("__and__", "__or__", "__xor__", "__invert__",
