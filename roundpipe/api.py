@@ -686,10 +686,7 @@ class RoundPipe:
         stash = [forward.stash]  # emptied by the backward: it frees the activations
 
         def run_backward(output_grads: list[dict[str, torch.Tensor]]) -> RunResult:
-            if stash[0] is None:
-                raise RoundPipeError(
-                    "backward through a pipelined forward ran twice; its stashed "
-                    "activations were freed after the first (retain_graph is not supported)")
+            assert stash[0] is not None  # PipelinedFunction runs one backward per call
             self._check_open()
             with self._lock, self._replica_call() as dp_call:
                 on_grads = (dp_call.bind(entry.host, entry.plan.program.units)

@@ -47,11 +47,12 @@ from .passes.batching import BatchSplit, analyze_batching
 from .passes.cost import DeviceModel
 from .passes.dynamo import DynamoGraph, Unsupported, from_dynamo
 from .plan import ModelProgram, StagePlan
-from .runtime.call import autocast_state, memory_cap, microbatch_keys
+from .runtime.call import (PipelinedCall, PipelinedFunction, autocast_state, memory_cap,
+                           microbatch_keys)
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.host_state import WeightFences, fold_unit_grads
-from .runtime.microbatch import join_input_grad, merge_column, split_grad
+from .runtime.microbatch import MergeColumn, join_input_grad, merge_column
 from .ops.rng import RngKey
 
 log = logging.getLogger(__name__)
@@ -253,9 +254,10 @@ class RoundPipeBackend:
 
 
 class _GraphHost:
-    """What the executor reads from ``HostState``, over the tensors of the current call:
-    a Dynamo graph receives its parameters and buffers as inputs.  The fences' target
-    stays 0, so uploads never wait (the user's optimizer runs between calls)."""
+    """The executor's :class:`~roundpipe.runtime.host_state.HostView` over the tensors
+    of the current call: a Dynamo graph receives its parameters and buffers as inputs.
+    The fences' target stays 0, so uploads never wait (the user's optimizer runs between
+    calls)."""
 
     def __init__(self, program: ModelProgram) -> None:
         self.specs = program.state_by_name()
@@ -271,6 +273,12 @@ class _GraphHost:
 
     def param_names(self, slots: Sequence[str]) -> list[str]:
         return [self.specs[s].fqn for s in slots if self.specs[s].kind == "parameter"]
+
+    def grad_dtype(self, slot: str) -> torch.dtype:
+        return self.tensors[slot].dtype  # returned to autograd, which wants the input's
+
+    def has_no_grad(self, slot: str) -> bool:
+        return self.tensors[slot].grad is None
 
 
 class _Placement:
@@ -387,11 +395,11 @@ class _PipelinedGraph:
         record = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if not record:
             return call.forward(record=False)
-        outs = _GraphFunction.apply(call, *tensors)
+        outs = PipelinedFunction.apply(call, *tensors)
         return call.assemble(outs)
 
 
-class _Call:
+class _Call(PipelinedCall):
     """One call of a compiled graph: its inputs, microbatches, and what backward needs."""
 
     def __init__(self, graph: _PipelinedGraph, args: tuple[Any, ...]) -> None:
@@ -525,14 +533,32 @@ class _Call:
         self.rules = rules
         return merged
 
-    # --- autograd ----------------------------------------------------------------------
+    # --- autograd (runtime.call.PipelinedFunction drives these) -------------------------
+    def run_forward(self, needs_input_grad: Sequence[bool]
+                    ) -> tuple[list[torch.Tensor], list[MergeColumn], list[int]]:
+        """Forward with a stash; ``needs_input_grad`` per tensor argument."""
+        needs: dict[str, bool] = {}
+        tensors = [(name, a) for name, a in zip(self.graph.value_at, self.args)
+                   if isinstance(a, torch.Tensor)]
+        for (name, a), need in zip(tensors, needs_input_grad):
+            if name is not None:
+                needs[name] = bool(need) and (a.is_floating_point() or a.is_complex())
+        self.outputs = self.forward(record=True, needs_grad=needs)
+        self._save_versions()
+        self.tensor_columns = [j for j, o in enumerate(self.outputs)
+                               if isinstance(o, torch.Tensor)]
+        refs = self.graph.program.outputs
+        columns = [MergeColumn(refs[j].value, self.rules[j], self.pieces[j])
+                   for j in self.tensor_columns]
+        return [self.outputs[j] for j in self.tensor_columns], columns, self.sizes
+
     def assemble(self, tensor_outs: Sequence[torch.Tensor]) -> list[Any]:
         out = list(self.outputs)
         for j, t in zip(self.tensor_columns, tensor_outs):
             out[j] = t
         return out
 
-    def save_versions(self) -> None:
+    def _save_versions(self) -> None:
         """Versions of the trainable parameters and inputs the recompute will read."""
         specs = self.graph.program.state_by_name()
         for slot, t in self.state.items():
@@ -542,13 +568,9 @@ class _Call:
             if isinstance(t, torch.Tensor) and name in self.graph.used_inputs:
                 self.versions.append((f"input {name}", t, t._version))
 
-    def backward(self, grads: Sequence[torch.Tensor | None],
-                 needs_input_grad: Sequence[bool]) -> list[torch.Tensor | None]:
+    def run_backward(self, output_grads: list[dict[str, torch.Tensor]]) -> RunResult:
         graph, backend = self.graph, self.graph.backend
-        if self.stash is None:
-            raise RoundPipeError(
-                "backward through a roundpipe-compiled graph ran twice; its stashed "
-                "activations were freed after the first (retain_graph is not supported)")
+        assert self.stash is not None  # PipelinedFunction runs one backward per call
         for what, t, version in self.versions:
             if t._version != version:
                 raise InputError(
@@ -556,21 +578,6 @@ class _Call:
                     f"{version} -> {t._version}); roundpipe recomputes the forward from it "
                     "in backward, so call backward() before changing it (e.g. before "
                     "optimizer.step())")
-        num_mb = len(self.sizes)
-        output_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(num_mb)]
-        program = graph.program
-        for j, grad in zip(self.tensor_columns, grads):
-            ref = program.outputs[j]
-            if grad is None or ref.value is None:
-                continue
-            for mb, piece in enumerate(split_grad(grad, self.rules[j], self.pieces[j],
-                                                  self.sizes)):
-                if piece is not None:
-                    store = output_grads[mb]
-                    store[ref.value] = store[ref.value] + piece if ref.value in store \
-                        else piece
-        if not any(output_grads):
-            return [None] * len(needs_input_grad)
         with backend._lock:
             graph.host.bind(self.state)
             result = graph.executor(self.rotation).backward(
@@ -578,8 +585,15 @@ class _Call:
                 keys=self.key_list, fence_version=0, autocast=self.autocast)
             graph.last_stats = backend._stats = result.stats
         self.stash = None
+        return result
+
+    def input_grads(self, result: RunResult, needs_input_grad: Sequence[bool]
+                    ) -> list[torch.Tensor | None]:
+        """Parameter gradients (folded per unit) go back to Dynamo's parameter inputs,
+        so autograd accumulates them in ``param.grad``; value gradients to the values."""
+        graph = self.graph
         param_grads = {slot: fold_unit_grads(c) for slot, c in result.param_grads.items()}
-        input_grads = self._input_grads(result)
+        value_grads = self._value_grads(result)
         out: list[torch.Tensor | None] = []
         tensors = [i for i, a in enumerate(self.args) if isinstance(a, torch.Tensor)]
         for k, i in enumerate(tensors):
@@ -588,12 +602,12 @@ class _Call:
             elif graph.grad_slot_at[i] is not None:
                 out.append(param_grads.get(graph.grad_slot_at[i]))
             elif graph.value_at[i] is not None:
-                out.append(input_grads.get(graph.value_at[i]))
+                out.append(value_grads.get(graph.value_at[i]))
             else:
                 out.append(None)
         return out
 
-    def _input_grads(self, result: RunResult) -> dict[str, torch.Tensor]:
+    def _value_grads(self, result: RunResult) -> dict[str, torch.Tensor]:
         per_mb = result.input_grads or []
         split = set(self.graph.split.inputs) if self.graph.split is not None else set()
         out: dict[str, torch.Tensor] = {}
@@ -606,38 +620,6 @@ class _Call:
             if grad is not None:
                 out[name] = grad
         return out
-
-
-class _GraphFunction(torch.autograd.Function):
-    """Connects one call to autograd: its inputs are every tensor the graph takes
-    (parameters included), so the returned gradients land in ``param.grad``."""
-
-    @staticmethod
-    def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        needs = {}
-        k = 0
-        for name, a in zip(call.graph.value_at, call.args):
-            if isinstance(a, torch.Tensor):
-                if name is not None:
-                    needs[name] = bool(ctx.needs_input_grad[1 + k]) and (
-                        a.is_floating_point() or a.is_complex())
-                k += 1
-        outputs = call.forward(record=True, needs_grad=needs)
-        call.save_versions()
-        call.outputs = outputs
-        call.tensor_columns = [j for j, o in enumerate(outputs) if isinstance(o, torch.Tensor)]
-        outs = tuple(outputs[j] for j in call.tensor_columns)
-        ctx.call = call
-        ctx.mark_non_differentiable(*[o for o in outs
-                                      if not (o.is_floating_point() or o.is_complex())])
-        return outs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        call: _Call = ctx.call
-        result = call.backward(grads, ctx.needs_input_grad[1:])
-        ctx.call = None
-        return (None, *result)
 
 
 def _raise_on_call(error: RoundPipeError) -> Callable[..., Any]:

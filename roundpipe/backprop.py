@@ -1,20 +1,23 @@
-"""``loss.backward()`` through a pipelined :meth:`RoundPipe.forward`.
+"""``loss.backward()`` through a pipelined :meth:`RoundPipe.forward`: its
+:class:`~roundpipe.runtime.call.PipelinedCall`.
 
 The forward ran with ``record=True``, so the host store holds what the backward stages
-need.  The merged outputs are returned through an ``autograd.Function`` whose backward
-splits the output gradients per microbatch (the inverse of the merge), runs the backward
-jobs (the tail is recomputed like any backward stage), commits parameter gradients to the
-masters and returns the gradients of inputs that require them.
+need.  The merged outputs go through the shared
+:class:`~roundpipe.runtime.call.PipelinedFunction`, whose backward splits the output
+gradients per microbatch and runs ``run_backward``: the backward jobs (the tail is
+recomputed like any backward stage), with the parameter gradients committed to the
+masters.  The gradients of inputs that require them are joined from their microbatch
+pieces.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from .errors import RoundPipeError
-from .runtime.microbatch import MergeColumn, join_input_grad, split_grad
+from .runtime.call import PipelinedCall, PipelinedFunction
+from .runtime.microbatch import MergeColumn, join_input_grad
 from .runtime.signature import flat_leaves
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -22,54 +25,33 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime.executor import RunResult
 
 
-class _Context:
-    """Everything the backward needs from the forward call."""
+class _ForwardCall(PipelinedCall):
+    """A ``RoundPipe.forward`` call whose forward already ran; what its backward needs."""
 
     def __init__(self, run_backward: Callable[[list[dict[str, torch.Tensor]]], RunResult],
-                 columns: list[MergeColumn],
-                 grad_inputs: list[tuple[str, list[Any] | None]],
-                 out_tensors: list[torch.Tensor]) -> None:
-        self.run_backward: Callable[..., RunResult] | None = run_backward
+                 columns: list[MergeColumn], out_tensors: list[torch.Tensor],
+                 grad_inputs: list[tuple[str, list[Any] | None]]) -> None:
+        self._run_backward = run_backward
         self.columns = columns  # the merged values connected to the backward
+        self.out_tensors = out_tensors
         # (value name, its microbatch pieces or None if replicated) per input needing grad
         self.grad_inputs = grad_inputs
-        self.out_tensors = out_tensors
 
+    def run_forward(self, needs_input_grad: Sequence[bool]
+                    ) -> tuple[list[torch.Tensor], list[MergeColumn], list[int]]:
+        outs = [t.detach() for t in self.out_tensors]
+        self.out_tensors = []
+        return outs, self.columns, []
 
-class _PipelineBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, context: _Context, anchor: torch.Tensor, *tensors: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
-        ctx.context = context  # anchor and tensors only connect the graph
-        outs = tuple(t.detach() for t in context.out_tensors)
-        context.out_tensors = []
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
-        return outs
+    def run_backward(self, output_grads: list[dict[str, torch.Tensor]]) -> RunResult:
+        return self._run_backward(output_grads)
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        context: _Context = ctx.context
-        run_backward = context.run_backward
-        if run_backward is None:
-            raise RoundPipeError(
-                "backward through a pipelined forward ran twice; its stashed activations "
-                "were freed after the first (retain_graph is not supported)")
-        num_mb = len(context.columns[0].pieces) if context.columns else 0
-        output_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(num_mb)]
-        for column, grad in zip(context.columns, grads):
-            if grad is None or column.value is None:
-                continue
-            for mb, piece in enumerate(split_grad(grad, column.rule, column.pieces)):
-                if piece is None:
-                    continue
-                store = output_grads[mb]
-                value = column.value
-                store[value] = store[value] + piece if value in store else piece
-        result = run_backward(output_grads)
-        context.run_backward = None  # a second backward through the same graph is an error
-        input_grads = [join_input_grad([g.get(name) for g in result.input_grads or []], split)
-                       for name, split in context.grad_inputs]
-        return (None, None, *input_grads)
+    def input_grads(self, result: RunResult, needs_input_grad: Sequence[bool]
+                    ) -> list[torch.Tensor | None]:
+        per_mb = result.input_grads or []
+        # The first input is the anchor, which only connects the graph.
+        return [None] + [join_input_grad([g.get(name) for g in per_mb], split)
+                         for name, split in self.grad_inputs]
 
 
 def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]]], RunResult],
@@ -97,10 +79,11 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]]], RunR
             grad_tensors.append(leaf)
 
     connected = [j for j, v in enumerate(merged) if isinstance(v, torch.Tensor)]
-    context = _Context(run_backward, [columns[j] for j in connected], grad_inputs,
-                       [merged[j] for j in connected])
+    call = _ForwardCall(run_backward, [columns[j] for j in connected],
+                        [merged[j] for j in connected], grad_inputs)
+    # The anchor connects the outputs to autograd even where no input requires grad.
     anchor = torch.empty(0, requires_grad=True)
-    outs = _PipelineBackward.apply(context, anchor, *grad_tensors)
+    outs = PipelinedFunction.apply(call, anchor, *grad_tensors)
     values = list(merged)
     for j, out in zip(connected, outs):
         values[j] = out

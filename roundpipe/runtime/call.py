@@ -1,17 +1,26 @@
-"""What both front ends (``RoundPipe`` and the ``torch.compile`` backend) decide per call
-before the executor runs: the random-op keys of its microbatches, the caller's autocast
-state, and the per-stage memory cap.  Splitting inputs and merging outputs (and their
-gradients) live in :mod:`.microbatch`; folding parameter gradients in
-:func:`.host_state.fold_unit_grads`."""
+"""The call layer both front ends (``RoundPipe`` and the ``torch.compile`` backend) share.
+
+Per call, before the executor runs: the random-op keys of its microbatches, the caller's
+autocast state, and the per-stage memory cap.  Around autograd: one ``autograd.Function``
+(:class:`PipelinedFunction`) over a :class:`PipelinedCall`, which each front end
+implements.  Splitting inputs and merging outputs (and their gradients) live in
+:mod:`.microbatch`; folding parameter gradients in :func:`.host_state.fold_unit_grads`.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import abc
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from ..errors import RoundPipeError
 from ..ops.rng import RngKey
 from .devices import Device
+from .microbatch import MergeColumn, split_output_grads
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .executor import RunResult
 
 
 def microbatch_keys(seed: int, call: int, num_microbatch: int, *, enabled: bool = True,
@@ -42,3 +51,67 @@ def memory_cap(devices: Sequence[Device], fraction: float) -> int | None:
     if any(f is None for f in free):
         return None
     return int(min(free) * fraction / 2)  # type: ignore[type-var]
+
+
+# --- autograd ------------------------------------------------------------------------------
+
+class PipelinedCall(abc.ABC):
+    """One call of a pipelined forward as autograd sees it.
+
+    :class:`PipelinedFunction` drives it: ``run_forward`` when the function is applied,
+    then, at ``backward()``, the output gradients split per microbatch (the inverse of the
+    merge rules), ``run_backward`` with them, and ``input_grads`` of its result.  What a
+    front end does with parameter gradients is its own: ``RoundPipe`` commits them to the
+    masters (on the optimizer thread) inside ``run_backward``; the backend returns them
+    from ``input_grads`` for the parameters Dynamo passed in, so autograd accumulates them.
+    """
+
+    @abc.abstractmethod
+    def run_forward(self, needs_input_grad: Sequence[bool]
+                    ) -> tuple[Sequence[torch.Tensor], Sequence[MergeColumn], Sequence[int]]:
+        """The call's tensor outputs, the column each was merged from (same order) and
+        the microbatch sizes.  ``needs_input_grad``: per tensor input of the function."""
+
+    @abc.abstractmethod
+    def run_backward(self, output_grads: list[dict[str, torch.Tensor]]) -> RunResult:
+        """Run the backward jobs for these per-microbatch value gradients."""
+
+    @abc.abstractmethod
+    def input_grads(self, result: RunResult, needs_input_grad: Sequence[bool]
+                    ) -> Sequence[torch.Tensor | None]:
+        """The gradient of each tensor input of the function."""
+
+
+class PipelinedFunction(torch.autograd.Function):
+    """``PipelinedFunction.apply(call, *tensor_inputs)``: the outputs of ``call`` connected
+    to autograd.  The tensor inputs only say what needs a gradient (and connect the graph);
+    the call reads its values itself."""
+
+    @staticmethod
+    def forward(ctx: Any, call: PipelinedCall, *inputs: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        outs, columns, sizes = call.run_forward(ctx.needs_input_grad[1:])
+        # An output the loss ignores gets None, not zeros: what only it reads then gets
+        # no gradient, as in eager PyTorch.
+        ctx.set_materialize_grads(False)
+        ctx.call, ctx.columns, ctx.sizes = call, list(columns), list(sizes)
+        ctx.mark_non_differentiable(*[o for o in outs
+                                      if not (o.is_floating_point() or o.is_complex())])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        call: PipelinedCall | None = ctx.call
+        needs = ctx.needs_input_grad[1:]
+        if call is None:
+            raise RoundPipeError(
+                "backward through a pipelined call ran twice; its stashed activations were "
+                "freed after the first (retain_graph=True is not supported): run the "
+                "forward again for a second backward")
+        output_grads = split_output_grads(ctx.columns, grads, ctx.sizes)
+        if not any(output_grads):  # no output depends on a value the pipeline made
+            ctx.call = ctx.columns = None
+            return (None,) * (1 + len(needs))
+        result = call.run_backward(output_grads)
+        ctx.call = ctx.columns = None  # the stash is freed; a second backward is an error
+        return (None, *call.input_grads(result, needs))

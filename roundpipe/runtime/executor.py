@@ -47,7 +47,7 @@ from ..ops import modes, rng
 from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer
 from .grad_flow import live_nodes
 from .grad_landing import GradLanding
-from .host_state import HostState
+from .host_state import HostView
 from .job_runner import JobRunner
 from .jobs import Job, plan_jobs
 from ..ops.rng import RngKey
@@ -186,7 +186,7 @@ class _Call:
 class Executor:
     """Runs calls of one :class:`StagePlan` on a pool of devices."""
 
-    def __init__(self, plan: StagePlan, host: HostState, devices: Sequence[Device],
+    def __init__(self, plan: StagePlan, host: HostView, devices: Sequence[Device],
                  landing: GradLanding | None = None, compile_backend: str | None = None
                  ) -> None:
         self.plan = plan
@@ -433,15 +433,11 @@ class Executor:
                     self._runnables[key] = fn
         return fn
 
-    def _master_has_no_grad(self, slot: str) -> bool:
-        return self.host.shared.master(self.host.specs[slot].fqn).grad is None
-
     def _grad_dtype(self, slot: str) -> torch.dtype:
-        """The dtype a slot's gradient is committed in: its master's."""
+        """The dtype a slot's gradient is committed in (the host view's, cached)."""
         dtype = self._grad_dtypes.get(slot)
         if dtype is None:
-            dtype = self.host.shared.master(self.host.specs[slot].fqn).dtype
-            self._grad_dtypes[slot] = dtype
+            dtype = self._grad_dtypes[slot] = self.host.grad_dtype(slot)
         return dtype
 
     def _describe_error(self, job: Job, device: Device, e: BaseException,

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 
-from ..plan import ModelProgram
+from ..plan import ModelProgram, StateSpec
 
 _WAIT_SLICE_S = 0.05
 
@@ -209,8 +209,32 @@ def fold_unit_grads(contributions: Sequence[tuple[int, torch.Tensor]],
     return total
 
 
+class HostView(Protocol):
+    """What an :class:`~roundpipe.runtime.executor.Executor` reads of the host state of
+    its program.  :class:`HostState` implements it over a ``RoundPipe``'s model state;
+    the ``torch.compile`` backend over the tensors Dynamo passes to each call."""
+
+    specs: Mapping[str, StateSpec]      # state slot -> what it is
+    fences: WeightFences                # uploads wait on them for published weights
+    tensors: Mapping[str, torch.Tensor]  # state slot -> host tensor
+
+    def trainable(self, slot: str) -> bool:
+        """Whether a slot is a parameter that requires grad."""
+
+    def param_names(self, slots: Iterable[str]) -> list[str]:
+        """The parameter names (fences' keys) of the parameter slots among ``slots``."""
+
+    def grad_dtype(self, slot: str) -> torch.dtype:
+        """The dtype a slot's gradient is committed in."""
+
+    def has_no_grad(self, slot: str) -> bool:
+        """Whether nothing holds a gradient of the slot yet (a converted gradient may
+        then be handed over instead of added)."""
+
+
 class HostState:
-    """One program's view of the model state: state slot -> host tensor."""
+    """One program's view of the model state: state slot -> host tensor (a
+    :class:`HostView`)."""
 
     def __init__(self, model_state: ModelState, program: ModelProgram) -> None:
         self.shared = model_state
@@ -234,6 +258,12 @@ class HostState:
 
     def param_names(self, slots: Iterable[str]) -> list[str]:
         return [self.specs[s].fqn for s in slots if self.specs[s].kind == "parameter"]
+
+    def grad_dtype(self, slot: str) -> torch.dtype:
+        return self.shared.master(self.specs[slot].fqn).dtype  # gradients land on masters
+
+    def has_no_grad(self, slot: str) -> bool:
+        return self.shared.master(self.specs[slot].fqn).grad is None
 
     def commit(self, param_grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
                buffers: Mapping[str, torch.Tensor],

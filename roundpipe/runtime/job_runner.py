@@ -132,7 +132,7 @@ class JobRunner:
             landed = self.device.after_downloads()
             converted = {(slot, uid): self.ex.landing.convert_after(
                 landed, g, self.ex._grad_dtype(slot), self.call.steps,
-                functools.partial(self.ex._master_has_no_grad, slot), key=(uid, slot))
+                functools.partial(self.ex.host.has_no_grad, slot), key=(uid, slot))
                 for slot, uid, g in single}
         with self.call.lock:
             for slot, uid, g in staged:

@@ -257,8 +257,27 @@ class MergeColumn:
     the rule that merged it and its microbatch pieces (what a backward splits back)."""
 
     value: str | None    # the program value (None: a constant output)
-    rule: Any            # an int dim (concatenated), "first" or "sum"
+    rule: Any            # an int dim (concatenated), "first", "sum", "mean" or "stack"
     pieces: list[Any]
+
+
+def split_output_grads(columns: Sequence[MergeColumn], grads: Sequence[torch.Tensor | None],
+                       sizes: Sequence[int] = ()) -> list[dict[str, torch.Tensor]]:
+    """The gradient of each program value per microbatch, from the gradients of the
+    merged ``columns`` (``sizes``: the microbatch sizes, for the ``"mean"`` rule).  A
+    value merged into several outputs gets the sum of their gradients."""
+    num_mb = max((len(c.pieces) for c in columns), default=0)
+    per_mb: list[dict[str, torch.Tensor]] = [{} for _ in range(num_mb)]
+    for column, grad in zip(columns, grads):
+        if grad is None or column.value is None:
+            continue
+        for mb, piece in enumerate(split_grad(grad, column.rule, column.pieces, sizes)):
+            if piece is None:
+                continue
+            store = per_mb[mb]
+            store[column.value] = (store[column.value] + piece if column.value in store
+                                   else piece)
+    return per_mb
 
 
 def merge_columns(plan: OutputMergePlan, outputs: Sequence[Sequence[Any]],
