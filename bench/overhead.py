@@ -9,6 +9,8 @@ training step (forward + backward over all microbatches, no optimizer):
 * eager PyTorch with ``torch.utils.checkpoint`` around every block (per-layer recompute,
   what roundpipe's backward stages do);
 * ``RoundPipe.forward_backward`` on one virtual CPU device;
+* the two autograd front ends on the same device: ``loss_fn(pipe(x), y).backward()`` and
+  ``torch.compile(model, backend=RoundPipeBackend(...))`` (``--no-front-ends`` skips them);
 * peers: ``torch.distributed.pipelining``'s ``ScheduleGPipe`` on a single-process gloo
   group (one stage, no recompute), and torchgpipe (``checkpoint="always"``) when it is
   installed; torchgpipe needs the model rewritten as ``nn.Sequential`` and refuses tied
@@ -54,6 +56,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--num-microbatch", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-front-ends", dest="front_ends", action="store_false",
+                        help="skip pipe(x).backward() and the torch.compile backend")
     parser.add_argument("--no-peers", dest="peers", action="store_false",
                         help="skip torch.distributed.pipelining and torchgpipe")
     args = parser.parse_args()
@@ -83,6 +87,12 @@ def main() -> None:
 
     runs = {"eager": lambda: run_eager(False), "eager + checkpoint": lambda: run_eager(True),
             "roundpipe": run_pipe}
+    if args.front_ends:
+        from roundpipe.backend import RoundPipeBackend
+        compiled = torch.compile(copy.deepcopy(model), backend=RoundPipeBackend(
+            devices=["cpu"], num_microbatch=M))
+        runs["pipe(x).backward()"] = lambda: loss_fn(pipe(x), y).backward()
+        runs["torch.compile backend"] = lambda: loss_fn(compiled(x), y).backward()
     notes: list[str] = []
     if args.peers:
         runs.update(peer_runs(model, x, y, M, notes))
@@ -110,8 +120,11 @@ def main() -> None:
     rows = [["roundpipe / eager + checkpoint", ratio("roundpipe", "eager + checkpoint"),
              "<= 1.10"],
             ["roundpipe / eager", ratio("roundpipe", "eager"), "floor ~1.33"]]
+    rows += [[f"{name} / eager + checkpoint", ratio(name, "eager + checkpoint"), "<= 1.10"]
+             for name in ("pipe(x).backward()", "torch.compile backend") if name in runs]
     rows += [[f"{name} / eager", ratio(name, "eager"), "peer"] for name in runs
-             if name not in ("eager", "eager + checkpoint", "roundpipe")]
+             if name not in ("eager", "eager + checkpoint", "roundpipe", "pipe(x).backward()",
+                             "torch.compile backend")]
     print(tabulate(rows, headers=["ratio", "median (spread)", "goal"]))
     for note in notes:
         print(f"note: {note}")
