@@ -19,6 +19,7 @@ from .errors import (ConfigError, InputError, LossError, MergeError, ModelError,
 from .errors import DataParallelError, ReplicaError
 from .runtime.data_parallel import DataParallelConfig
 from .plan import StagePlan
+from .runtime.host_memory import HostMemory
 
 
 def _backend_entry_point_installed() -> bool:
@@ -49,6 +50,7 @@ __all__ = [
     "RoundPipe",
     "RoundPipeRunConfig",
     "StagePlan",
+    "HostMemory",
     "GradScaler",
     "save_checkpoint",
     "load_checkpoint",

@@ -28,10 +28,11 @@ from .passes.dtype_check import mixed_dtype_op
 from .passes.output_merge import plan_output_merge
 from .plan import InputSignature, OutputMergePlan, StagePlan
 from .runtime.call import autocast_state, memory_cap, microbatch_keys
-from .runtime.devices import Device, parse_bytes, resolve_devices
+from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.grad_landing import GradLanding
+from .runtime.host_memory import DeviceCopies, HostMemory, host_memory
 from .runtime.host_state import HostState, ModelState
 from .runtime.microbatch import (MergeColumn, batch_size_of, check_on_cpu, input_path,
                                  merge_columns, merge_rules, merged_value, output_names,
@@ -803,6 +804,33 @@ class RoundPipe:
         # On the optimizer thread: an interrupt cannot leave weights half loaded or
         # fences half open.
         return self._optimizer.run(load)
+
+    def host_memory(self, optimizer: torch.optim.Optimizer | None = None) -> HostMemory:
+        """The bytes roundpipe holds in host memory, by category, each storage counted
+        once: the model's weights, masters, gradients, ``optimizer``'s state (pass the
+        optimizer you step with), gradient landing buffers and trace constants, plus the
+        virtual CPU devices' own copies apart.  ``print(pipe.host_memory(opt))`` shows a
+        table with bytes per trainable parameter; see ``docs/guide.md`` for what each
+        configuration costs.  It waits for a call or a step in progress."""
+        state = self._state
+
+        def collect() -> HostMemory:  # on the optimizer thread: no step is mid-way
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            named = state.named_masters()
+            constants = [t for entry in self._compiled
+                         for t in entry.plan.program.constants.values()
+                         if isinstance(t, torch.Tensor)]
+            devices = [DeviceCopies(d.name, d.resident_bytes(),
+                                    d.counters().peak_resident_bytes)
+                       for d in self.devices if isinstance(d, VirtualCPUDevice)]
+            return host_memory(
+                list(self.model.parameters()) + list(self.model.buffers()),
+                [m for _, m in named] if state.has_masters else [],
+                [m.grad for _, m in named], optimizer, self._landing.tensors(), constants,
+                sum(p.numel() for p in trainable), devices)
+
+        with self._lock:  # no call is mid-way either
+            return self._optimizer.run(collect)
 
     def stats(self) -> RunStats:
         """Transfers, peak residency per device and the job timeline of the last call."""

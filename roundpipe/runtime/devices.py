@@ -178,6 +178,11 @@ class Device:
                                   dict(self._up), dict(self._down), self._peak,
                                   self._weight_peak)
 
+    def resident_bytes(self) -> int:
+        """Bytes uploaded and not yet released."""
+        with self._lock:
+            return self._resident
+
     def free_bytes(self) -> int | None:
         """Bytes still available for uploads (None: unbounded)."""
         if self.capacity_bytes is None:

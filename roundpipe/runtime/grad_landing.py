@@ -96,6 +96,10 @@ class GradLanding:
             self._spare[key] = out
         return out
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The download buffers and the kept conversions (for host memory accounting)."""
+        return list(self.buffers.values()) + list(self._spare.values())
+
     def retain(self, keys: set[tuple[int, str]]) -> None:
         """Drop the kept tensors of gradients a call no longer produced (a parameter
         frozen since, another program's numbering); after the call's own conversions."""

@@ -1,0 +1,145 @@
+"""Host memory: the process's resident-set growth against ``RoundPipe.host_memory()``.
+
+Run ``python bench/host_memory.py [--params-millions 500] [--configs bf16-fp32-adamw,...]``.
+
+Each configuration runs in a fresh process (so one's freed memory is not the next one's
+baseline): it builds a stack of square linear layers of about ``--params-millions``
+parameters, trains ``--steps`` steps on one virtual CPU device and then reads
+
+* the resident-set growth of the process since before the model was built (``VmRSS``);
+* ``pipe.host_memory(optimizer)``: the accounting; and the virtual device's copies at
+  the peak of the last call (host memory during calls, freed after; the allocator may
+  keep some of it, which then shows in the growth);
+* the bytes per trainable parameter beyond the model's weights, per category.
+
+A configuration is ``<model dtype>-<masters dtype or none>-<optimizer>``, optimizers
+``sgd`` (momentum 0.9), ``adamw``; ``lora`` trains rank-8 adapters beside frozen weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn as nn
+from tabulate import tabulate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+CONFIGS = ("fp32-none-sgd", "fp32-none-adamw", "bf16-fp32-sgd", "bf16-fp32-adamw",
+           "bf16-fp32-lora")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": None}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, rank: int = 8) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(rank, base.in_features, dtype=base.weight.dtype)
+                              * 0.01)
+        self.b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a.t()) @ self.b.t()
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int, layers: int, dtype: torch.dtype, lora: bool) -> None:
+        super().__init__()
+        blocks = [nn.Linear(width, width, dtype=dtype) for _ in range(layers)]
+        self.blocks = nn.ModuleList(LoRALinear(b) if lora else b for b in blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def run_one(config: str, params_millions: int, steps: int) -> dict:
+    import roundpipe
+    from progress import Progress
+
+    model_dtype, master, optim = config.split("-")
+    width = 4096
+    layers = max(2, round(params_millions * 1e6 / (width * width + width)))
+    base = rss_bytes()
+    model = Stack(width, layers, DTYPES[model_dtype], lora=optim == "lora")
+    x = torch.randn(4, width, dtype=DTYPES[model_dtype])
+    pipe = roundpipe.RoundPipe(model, devices=["cpu"], optim_dtype=DTYPES[master],
+                               model_run_config=roundpipe.RoundPipeRunConfig(
+                                   num_microbatch=2))
+    params = pipe.optim_parameters()
+    opt = (torch.optim.SGD(params, lr=1e-4, momentum=0.9) if optim == "sgd"
+           else torch.optim.AdamW(params, lr=1e-4))
+    progress = Progress(range(steps), steps, config)
+    for _ in progress:
+        pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        pipe.synchronize()
+        progress.show(rss_gib=f"{(rss_bytes() - base) / 2**30:.2f}")
+    progress.close()
+    # The steady state between calls: the last call's gradients committed, not stepped.
+    pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
+    pipe.synchronize()
+    grown = rss_bytes() - base
+    mem = pipe.host_memory(opt)
+    devices = sum(d.peak_bytes_last_call for d in mem.devices)
+    result = {"config": config, "params": sum(p.numel() for p in model.parameters()),
+              "trainable": mem.trainable_params, "rss_growth": grown,
+              "accounted": mem.total, "device_copies": devices,
+              "per_param": {c: mem.bytes_per_param(c) for c in
+                            ("masters", "gradients", "optimizer_state", "landing")},
+              "beyond_weights": mem.bytes_per_param(), "weights": mem.weights}
+    pipe.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params-millions", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process's config
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.params_millions, args.steps)))
+        return
+    rows = []
+    for config in args.configs.split(","):
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", config, "--params-millions",
+             str(args.params_millions), "--steps", str(args.steps)],
+            capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            print(f"{config}: failed\n{out.stderr[-2000:]}")
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append([config, f"{r['params'] / 1e6:.0f} M", f"{r['trainable'] / 1e6:.1f} M",
+                     f"{r['rss_growth'] / 2**30:.2f}", f"{r['accounted'] / 2**30:.2f}",
+                     f"{r['device_copies'] / 2**30:.2f}",
+                     f"{r['rss_growth'] / r['accounted']:.3f}",
+                     *(f"{r['per_param'][c]:.2f}" for c in
+                       ("masters", "gradients", "optimizer_state", "landing")),
+                     f"{r['beyond_weights']:.2f}"])
+    print(tabulate(rows, headers=[
+        "config", "params", "trainable", "RSS growth GiB", "accounted GiB",
+        "device copies GiB (peak, freed)", "RSS / accounted", "masters B/p", "grads B/p",
+        "optim B/p", "landing B/p", "beyond weights B/p"]))
+
+
+if __name__ == "__main__":
+    main()
