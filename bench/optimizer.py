@@ -11,7 +11,11 @@ Reports parameters per second for:
   over the 28 bytes AdamW moves per parameter.
 
 It also reports how long the next ``forward_backward`` waits for a pending step: its time
-right after an async step against its time with no step pending.
+right after an async step against its time with no step pending; and the host's work per
+step for a bf16 model with fp32 masters, in seconds per billion parameters, phase by phase
+(landing: bf16 gradient -> fp32 ``.grad``; update: fused AdamW; publish: fp32 masters ->
+bf16 weights), against the one-pass roofline: 28 bytes per parameter (AdamW, fp32 state)
+over the STREAM-triad bandwidth measured in the same run with all threads.
 """
 
 from __future__ import annotations
@@ -113,6 +117,52 @@ def main() -> None:
                    headers=["forward_backward ms (no step pending)",
                             "ms (async step pending)", "difference ms (spread)"]))
     grad_landing(n, args.repeats)
+    host_step(n, args.repeats)
+
+
+def triad_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """STREAM triad ``a = b + s * c`` (3 streams) with every thread, in bytes per second."""
+    a, b, c = (torch.rand(nbytes // 4) for _ in range(3))
+    torch.add(b, c, alpha=3.0, out=a)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        times.append(time.perf_counter() - t)
+    return 3 * nbytes / statistics.median(times)
+
+
+def host_step(n: int, repeats: int) -> None:
+    """Today's three passes over host memory per step (bf16 model, fp32 masters, AdamW),
+    each timed on its own, interleaved round by round."""
+    weight = torch.randn(n).to(torch.bfloat16)
+    landed = torch.randn(n).to(torch.bfloat16) * 1e-3  # a downloaded bf16 gradient
+    master = torch.nn.Parameter(weight.float())
+    master.grad = torch.empty(n)
+    opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
+    master.grad.copy_(landed)
+    opt.step()
+    phases: dict[str, list[float]] = {"landing": [], "update": [], "publish": []}
+    work = {"landing": lambda: master.grad.copy_(landed), "update": opt.step,
+            "publish": lambda: weight.copy_(master.detach())}
+    for _ in range(repeats):
+        for name, fn in work.items():
+            t = time.perf_counter()
+            fn()
+            phases[name].append(time.perf_counter() - t)
+    bandwidth = triad_bandwidth()
+    per_b = 1e9 / n
+    med = {k: statistics.median(v) * per_b for k, v in phases.items()}
+    total = sum(med.values())
+    roofline = 28 * 1e9 / bandwidth
+    rows = [[k, f"{v:.2f}"] for k, v in med.items()]
+    rows += [["old path: landing + update + publish", f"{total:.2f}"],
+             ["one-pass roofline: 28 B/param / triad bandwidth", f"{roofline:.2f}"],
+             ["old path / roofline", f"{total / roofline:.2f}"]]
+    print(f"host step, bf16 model with fp32 masters and AdamW, {n / 1e6:.1f} M parameters, "
+          f"triad bandwidth {bandwidth / 1e9:.1f} GB/s with {torch.get_num_threads()} "
+          "threads")
+    print(tabulate(rows, headers=["phase", "s per billion parameters"]))
 
 
 def grad_landing(n: int, repeats: int) -> None:
