@@ -6,11 +6,18 @@ schedule, the weights one step behind the masters), the optimizer's and the Grad
 state; ``load_checkpoint`` restores them so training continues bit for bit as if it had
 never stopped.  Files are read with ``torch.load(weights_only=True)``: a checkpoint from
 an untrusted source cannot execute code, it fails to load.
+
+A save is atomic: it writes a temporary file beside the target, flushes it to disk and
+renames it into place, so a crash or a kill during the write leaves the previous
+checkpoint whole; temporary files of killed saves are removed by the next save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .grad_scaler import GradScaler
 
 _FORMAT = "roundpipe-checkpoint-1"
+_WRITING: set[str] = set()  # temporary files this process is writing now
 
 
 class CheckpointError(RoundPipeError, ValueError):
@@ -44,7 +52,64 @@ def save_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "extra": extra,
     }
-    torch.save(state, os.fspath(path))
+    write_atomically(os.fspath(path), lambda f: torch.save(state, f))
+
+
+def write_atomically(path: str, write: Any) -> None:
+    """``write(file)`` into a temporary file beside ``path``, flushed to disk, then
+    renamed over ``path``: readers see the old file or the new one, never a part."""
+    directory, name = os.path.split(os.path.abspath(path))
+    temp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    _WRITING.add(temp)
+    try:
+        with open(temp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    finally:
+        _WRITING.discard(temp)
+    _fsync_directory(directory)  # the rename itself survives a power loss
+    _remove_stale_temporaries(directory, name)
+
+
+def _fsync_directory(directory: str) -> None:
+    with contextlib.suppress(OSError):  # not every platform opens directories
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove_stale_temporaries(directory: str, name: str) -> None:
+    """Delete temporary files of earlier saves to ``name`` whose process is gone (a
+    save killed mid-write); a save still running in another process keeps its file."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(\d+)-[0-9a-f]{{8}}$")
+    for entry in os.listdir(directory):
+        match = pattern.match(entry)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        path = os.path.join(directory, entry)
+        if path in _WRITING or (pid != os.getpid() and _alive(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def load_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
