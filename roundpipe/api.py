@@ -811,7 +811,7 @@ class RoundPipe:
         optimizer you step with), gradient landing buffers and trace constants, plus the
         virtual CPU devices' own copies apart.  ``print(pipe.host_memory(opt))`` shows a
         table with bytes per trainable parameter; see ``docs/guide.md`` for what each
-        configuration costs.  It waits for a call or a step in progress."""
+        configuration costs.  It waits for a step in progress."""
         state = self._state
 
         def collect() -> HostMemory:  # on the optimizer thread: no step is mid-way
@@ -829,8 +829,8 @@ class RoundPipe:
                 [m.grad for _, m in named], optimizer, self._landing.tensors(), constants,
                 sum(p.numel() for p in trainable), devices)
 
-        with self._lock:  # no call is mid-way either
-            return self._optimizer.run(collect)
+        # Not under the call lock: a step_fn may call this while the caller waits for it.
+        return self._optimizer.run(collect)
 
     def stats(self) -> RunStats:
         """Transfers, peak residency per device and the job timeline of the last call."""

@@ -104,3 +104,26 @@ def test_a_storage_shared_by_two_categories_counts_once():
         mem = pipe.host_memory(opt)
         assert mem.optimizer_state == 40
         assert mem.weights == (64 * 64 + 64) * 4
+
+
+def test_host_memory_inside_a_step_fn_does_not_hang():
+    """A step_fn that reports memory while the next call waits for that step."""
+    import threading
+
+    model, args, kwargs = models.gpt()
+    with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32) as pipe:
+        opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+        seen = []
+        loss_fn = lambda out, _: out["logits"].pow(2).mean()  # noqa: E731
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+
+        def run():
+            pipe.step(lambda: (seen.append(pipe.host_memory(opt)), opt.step(),
+                               opt.zero_grad()))
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+            pipe.synchronize()
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), "host_memory() inside a step_fn hung"
+        assert seen and seen[0].gradients == 4 * seen[0].trainable_params
