@@ -131,9 +131,6 @@ class ModelState:
         param = self._params[name]
         if not self.has_masters:
             return param
-        master = self._masters.get(name)
-        if master is not None:  # no lock: a step holds it while it publishes and updates
-            return master
         with self._lock:
             master = self._masters.get(name)
             if master is None:
