@@ -5,6 +5,7 @@ steps, 1 and 3 devices, chunked parameters), and the publish must really be fuse
 
 from __future__ import annotations
 
+import copy
 
 import pytest
 import torch
