@@ -118,50 +118,6 @@ def main() -> None:
                             "ms (async step pending)", "difference ms (spread)"]))
     grad_landing(n, args.repeats)
     host_step(n, args.repeats)
-    fused_publish(args.width, args.layers, args.repeats)
-
-
-def fused_publish(width: int, layers: int, repeats: int) -> None:
-    """An asynchronous step (publish of the previous step's masters + AdamW) of a bf16
-    model with fp32 masters: torch's fused AdamW, publish as its own pass, against
-    ``roundpipe.optim.AdamW``, publish fused into the update; interleaved."""
-    import roundpipe.optim
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).bfloat16()
-    x = torch.randn(4, width, dtype=torch.bfloat16)
-    call = dict(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
-    runs = {}
-    for name, make in (("torch AdamW(fused) + publish pass",
-                        lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
-                       ("roundpipe.optim.AdamW (publish fused)",
-                        lambda ps: roundpipe.optim.AdamW(ps, lr=1e-4))):
-        pipe = RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=torch.float32,
-                         model_run_config=RoundPipeRunConfig(num_microbatch=2))
-        opt = make(pipe.optim_parameters())
-        for _ in range(2):
-            pipe.forward_backward(**call)
-            pipe.step(lambda opt=opt: opt.step())
-        runs[name] = (pipe, opt, [])
-    for _ in range(repeats):
-        for name, (pipe, opt, times) in runs.items():
-            pipe.forward_backward(**call)  # waits for the last step; its grads committed
-            t = time.perf_counter()
-            pipe.step(lambda opt=opt: opt.step())
-            pipe._optimizer.wait()  # the step done, its masters not yet published
-            times.append(time.perf_counter() - t)
-    n = sum(p.numel() for p in model.parameters())
-    base = runs["torch AdamW(fused) + publish pass"][2]
-    rows = []
-    for name, (pipe, _, times) in runs.items():
-        ratios = [b / t for b, t in zip(base, times)]
-        rows.append([name, f"{statistics.median(times) * 1e9 / n:.2f}",
-                     f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"])
-        pipe.close()
-    print(f"asynchronous step, bf16 model with fp32 masters, {n / 1e6:.1f} M parameters, "
-          f"median of {repeats} interleaved rounds")
-    print(tabulate(rows, headers=["step", "s per billion parameters",
-                                  "speed-up (spread)"]))
 
 
 def triad_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:

@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import StepError
 from ..plan import ModelProgram, StateSpec
 
 _WAIT_SLICE_S = 0.05
@@ -87,14 +84,6 @@ class WeightFences:
         return True
 
 
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # master -> its ModelState
-
-
-def owner_of(tensor: torch.Tensor) -> ModelState | None:
-    """The model state whose master ``tensor`` is (None for any other tensor)."""
-    return _OWNERS.get(tensor)
-
-
 class ModelState:
     """Masters, fences and gradient commits for one model (shared across its programs)."""
 
@@ -110,10 +99,6 @@ class ModelState:
         # use (set by HostState), so the first units' fences open first.
         self.publish_groups: list[tuple[str, ...]] = [tuple(self._params)]
         self.registered: list[object] = []  # storages page-locked in place (pin "register")
-        # A roundpipe.optim optimizer over these masters publishes each parameter in the
-        # same pass as its update (``begin_step`` hands it the publish); weakly held.
-        self.step_publisher: Any = None
-        self._owed: tuple[int, dict[str, int]] | None = None  # (version, master versions)
 
     @property
     def has_masters(self) -> bool:
@@ -137,7 +122,6 @@ class ModelState:
                 master = torch.nn.Parameter(param.detach().to(self.optim_dtype, copy=True),
                                             requires_grad=True)
                 self._masters[name] = master
-                _OWNERS[master] = self
         return master
 
     def masters(self) -> dict[str, torch.nn.Parameter]:
@@ -173,68 +157,6 @@ class ModelState:
                     self.fences.publish(group, version)
             self._dirty = False
             self.fences.publish_all(version)
-
-    # --- publishing inside a step (roundpipe.optim) ---------------------------------------
-    def bind_step_publisher(self, optimizer: Any) -> None:
-        self.step_publisher = weakref.ref(optimizer)
-
-    def begin_step(self, version: int) -> None:
-        """Publish the masters before a step runs, or, when a roundpipe.optim optimizer
-        is bound, leave the publish to it: it writes each weight from its master just
-        before updating that master, in one pass (:meth:`take_publish`)."""
-        bound = self.step_publisher() if self.step_publisher is not None else None
-        if bound is None or not (self.has_masters and self._dirty):
-            self.publish(version)
-            return
-        self._owed = (version, {n: m._version for n, m in self._masters.items()})
-
-    def take_publish(self) -> int | None:
-        """The version a bound optimizer's step must publish (None: nothing owed)."""
-        owed, self._owed = self._owed, None
-        return owed[0] if owed is not None else None
-
-    def publish_in_step(self, version: int, update: Any) -> None:
-        """Publish every master into its weight group by group, calling ``update(name,
-        master, weight)`` for each (it copies the master into the weight before changing
-        the master; the fences of a group open once its updates are done).  Whatever
-        happens, every weight is published and every fence opens before this returns."""
-        done: set[str] = set()
-        with self._lock:
-            try:
-                with torch.no_grad():
-                    for group in self.publish_groups + [tuple(self._masters)]:
-                        group = tuple(n for n in group if n not in done)
-                        for name in group:
-                            master = self._masters.get(name)
-                            if master is not None:
-                                update(name, master, self._params[name])
-                            done.add(name)
-                        self.fences.publish(group, version)
-            finally:
-                with torch.no_grad():
-                    for name, master in self._masters.items():
-                        if name not in done:
-                            self._params[name].copy_(master)
-                self._dirty = False
-                self.fences.publish_all(version)
-
-    def end_step(self, version: int) -> None:
-        """After a step: publish what the step did not (no bound optimizer ran).  If
-        something else changed a master before its publish, its old value is gone: the
-        weights then take the new one and this raises, rather than run one step ahead
-        silently."""
-        owed, self._owed = self._owed, None
-        if owed is None:
-            return
-        changed = [n for n, m in self._masters.items() if m._version != owed[1].get(n)]
-        self.publish(version)
-        if changed:
-            raise StepError(
-                f"{len(changed)} master(s) (first: {changed[0]}) were changed during the "
-                "step by something other than the roundpipe.optim optimizer bound to this "
-                "pipe, before their weights were published; with a roundpipe.optim "
-                "optimizer bound, step only through it (or delete it and use a torch "
-                "optimizer alone)")
 
     def reset_masters_to_weights(self) -> None:
         """Make the masters equal the published weights (after a failed step)."""

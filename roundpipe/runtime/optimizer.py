@@ -15,7 +15,6 @@ so the fences stay closed until ``fn`` returns and the next call waits for it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,16 +65,12 @@ class OptimizerWorker:
     def _run(self, fn: Callable[[], Any], version: int) -> None:
         host = self.host
         if host.has_masters:
-            host.begin_step(version)  # publishes now, or a bound roundpipe.optim will
+            host.publish(version)
         self._local.inside, self._local.version = True, version
         try:
             fn()
-            if host.has_masters:
-                host.end_step(version)
         except BaseException:
             if host.has_masters:
-                with contextlib.suppress(StepError):  # the step's own error goes on
-                    host.end_step(version)
                 # The model weights still hold the last published version; make the
                 # masters agree so no half-applied update survives.
                 host.reset_masters_to_weights()
