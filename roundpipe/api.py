@@ -32,6 +32,7 @@ from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devi
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.grad_landing import GradLanding
+from .runtime.masters import raw_grad
 from .runtime.host_memory import DeviceCopies, HostMemory, host_memory
 from .runtime.host_state import HostState, ModelState
 from .runtime.microbatch import (MergeColumn, batch_size_of, check_on_cpu, input_path,
@@ -202,7 +203,10 @@ class RoundPipe:
         self._optimizer = OptimizerWorker(self._state)
         self._compiled: list[_Compiled] = []
         # Gradient download buffers, shared by every program's executor (see Executor).
-        self._landing = GradLanding(steps=self._optimizer.pending_steps)
+        self._landing = GradLanding(steps=self._optimizer.pending_steps,
+                                    busy=self._state.landed.busy)
+        self._state.landed.serial = self._optimizer.run
+        self._state.landed.on_step_thread = lambda: self._optimizer.on_worker
         self._current: _Compiled | None = None
         self._calls = 0
         self._stats: RunStats | None = None
@@ -544,7 +548,8 @@ class RoundPipe:
         self._optimizer.wait()
 
         def commit() -> None:
-            entry.host.commit(result.param_grads, result.buffers, result.grads_owned)
+            entry.host.commit(result.param_grads, result.buffers, result.grads_owned,
+                              result.grads_holdable)
             self._stats = result.stats
             if count_call:  # a backward belongs to the forward call that was counted
                 self._calls += 1
@@ -826,7 +831,7 @@ class RoundPipe:
             return host_memory(
                 list(self.model.parameters()) + list(self.model.buffers()),
                 [m for _, m in named] if state.has_masters else [],
-                [m.grad for _, m in named], optimizer, self._landing.tensors(), constants,
+                [raw_grad(m) for _, m in named], optimizer, self._landing.tensors(), constants,
                 sum(p.numel() for p in trainable), devices)
 
         # Not under the call lock: a step_fn may call this while the caller waits for it.

@@ -280,6 +280,9 @@ class _GraphHost:
     def has_no_grad(self, slot: str) -> bool:
         return self.tensors[slot].grad is None
 
+    def lands_in_place(self, slot: str) -> bool:
+        return False  # gradients go back to autograd
+
 
 class _Placement:
     """Which device runs each layer's forward, shared by every graph of one backend.

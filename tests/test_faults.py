@@ -416,6 +416,7 @@ _TRAIN = textwrap.dedent("""
     import sys, torch, torch.nn.functional as F
     sys.path.insert(0, {tests!r})
     import models
+    import roundpipe.optim
     from roundpipe import (GradScaler, RoundPipe, RoundPipeRunConfig, load_checkpoint,
                            save_checkpoint)
 
@@ -424,7 +425,7 @@ _TRAIN = textwrap.dedent("""
         pipe = RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32, seed=11,
                          model_run_config=RoundPipeRunConfig(num_microbatch=2))
         scaler = GradScaler(pipe, init_scale=2.0**4, growth_interval=2)
-        opt = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        opt = {optimizer}(pipe.optim_parameters(), lr=1e-2)
         first = 0
         if load:
             first = load_checkpoint(load, pipe, opt, scaler)["step"]
@@ -443,21 +444,23 @@ _TRAIN = textwrap.dedent("""
 """)
 
 
-def _python(code: str, tmp_path) -> None:
+def _python(code: str, tmp_path, optimizer: str = "torch.optim.AdamW") -> None:
     script = tmp_path / "train.py"
-    script.write_text(_TRAIN.format(tests=os.path.dirname(__file__)) + code)
+    script.write_text(_TRAIN.format(tests=os.path.dirname(__file__), optimizer=optimizer)
+                      + code)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_checkpoint_and_resume_in_a_fresh_process_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("optimizer", ["torch.optim.AdamW", "roundpipe.optim.AdamW"])
+def test_checkpoint_and_resume_in_a_fresh_process_is_bit_exact(tmp_path, optimizer):
     """6 steps straight == 3 steps, checkpoint (with an async step pending), a fresh
     process loads it and trains 3 more: dropout streams and GradScaler state included."""
-    _python(f"run(6, out={str(tmp_path / 'straight.pt')!r})", tmp_path)
-    _python(f"run(6, save_at=3, out={str(tmp_path / 'ckpt.pt')!r})", tmp_path)
+    _python(f"run(6, out={str(tmp_path / 'straight.pt')!r})", tmp_path, optimizer)
+    _python(f"run(6, save_at=3, out={str(tmp_path / 'ckpt.pt')!r})", tmp_path, optimizer)
     _python(f"run(6, load={str(tmp_path / 'ckpt.pt')!r}, "
-            f"out={str(tmp_path / 'resumed.pt')!r})", tmp_path)
+            f"out={str(tmp_path / 'resumed.pt')!r})", tmp_path, optimizer)
     straight = torch.load(tmp_path / "straight.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     assert straight.keys() == resumed.keys()

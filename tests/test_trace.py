@@ -433,7 +433,8 @@ def test_an_image_of_another_size_gets_a_program_of_its_own():
     # the two programs download gradients into the same host buffers: a new shape does
     # not hold another model's worth of them
     held = {id(t): t.numel() * t.element_size()
-            for e in pipe._compiled for t in e.executor.grad_buffers.values()}
+            for e in pipe._compiled for kept in e.executor.landing.buffers.values()
+            for t in kept}
     assert sum(held.values()) == sum(p.numel() * p.element_size()
                                      for p in model.parameters())
     pipe.close()

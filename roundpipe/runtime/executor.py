@@ -130,6 +130,9 @@ class RunResult:
     # The slots whose param_grads are fresh tensors in the masters' dtype that the commit
     # may keep as .grad; the others are reused download (or reduction) buffers.
     grads_owned: frozenset[str] = frozenset()
+    # The slots whose one contribution is a download buffer the host state may hold
+    # (HostView.lands_in_place): no later download reuses a buffer while it is held.
+    grads_holdable: frozenset[str] = frozenset()
     # Per microbatch, the values asked for with ``keep`` (an output tail's inputs).
     values: list[dict[str, Any]] = field(default_factory=list)
 
@@ -174,6 +177,7 @@ class _Call:
     # (slot, unit) -> the gradient in its master's dtype, copied off the download buffer
     # once it landed (GradLanding); replaces param_grads when the call succeeds.
     converted: dict[tuple[str, int], Future] = field(default_factory=dict)
+    in_place: set[str] = field(default_factory=set)  # slots left in their download buffer
     steps: list[Future] = field(default_factory=list)  # optimizer steps pending at start
     # Slot -> the tensor uploaded instead of the host's (a backward's buffers as they were
     # before its forward, see Stash).
@@ -201,7 +205,6 @@ class Executor:
         # mode does not hold a model's worth more.  Calls of one model never overlap, and a
         # call is done with them (conversions included) when it returns.
         self.landing = landing if landing is not None else GradLanding(convert=False)
-        self.grad_buffers = self.landing.buffers
         self._grad_dtypes: dict[str, torch.dtype] = {}
         self._readers = collections.Counter(s for u in self.units for s in u.state)
         # torch.compile'd unit programs (by unit index), made on first use.
@@ -408,7 +411,9 @@ class Executor:
                     param_grads[slot] = grads
         return RunResult(losses=call.losses, outputs=outputs, param_grads=param_grads,
                          buffers=call.buffers, input_grads=input_grads, stats=stats,
-                         grads_owned=frozenset(owned), values=values)
+                         grads_owned=frozenset(owned), values=values,
+                         grads_holdable=frozenset(s for s in call.in_place
+                                                  if len(param_grads.get(s, ())) == 1))
 
     def runnable(self, unit: UnitProgram, device: torch.device | None = None
                  ) -> Callable[..., Any]:

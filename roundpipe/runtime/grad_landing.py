@@ -26,14 +26,22 @@ from typing import Callable, Sequence
 import torch
 
 
+_KEPT_PER_KEY = 2
+
+
 class GradLanding:
     """``steps``: the optimizer steps still pending when a call starts.  A conversion
     waits for them: a step reads the previous gradients, which ``zero_grad`` then frees,
     so the host never holds two sets of full-precision gradients because of the overlap."""
 
     def __init__(self, convert: bool = True,
-                 steps: Callable[[], list[Future]] | None = None) -> None:
-        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
+                 steps: Callable[[], list[Future]] | None = None,
+                 busy: Callable[[torch.Tensor], bool] | None = None) -> None:
+        # Download buffers by (unit, slot).  Usually one each; a buffer the host state
+        # holds (``busy``: a gradient a one-pass optimizer reads in place, or the weight
+        # its step staged there) is not reused, so a second one alternates with it.
+        self.buffers: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self.busy = busy if busy is not None else (lambda t: False)
         self.steps = steps if steps is not None else list
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="roundpipe-grads")
                       if convert else None)
@@ -41,6 +49,21 @@ class GradLanding:
         # The last conversion of each (unit, slot): refilled when no one else holds it.
         # Only the conversion thread touches it.
         self._spare: dict[tuple[int, str], torch.Tensor] = {}
+
+    def buffer_for(self, key: tuple[int, str]) -> torch.Tensor | None:
+        """A download buffer of ``key`` free to be overwritten, if one is kept."""
+        return next((t for t in self.buffers.get(key, ()) if not self.busy(t)), None)
+
+    def keep(self, key: tuple[int, str], buffer: torch.Tensor) -> None:
+        """Remember ``buffer`` (the one a download of ``key`` went into) for reuse."""
+        kept = self.buffers.setdefault(key, [])
+        if any(t is buffer for t in kept):
+            return
+        kept.append(buffer)
+        if len(kept) > _KEPT_PER_KEY:  # shapes changed, or a held buffer was let go
+            victim = next((t for t in kept if t is not buffer and not self.busy(t)), None)
+            if victim is not None:
+                kept.remove(victim)
 
     @property
     def converts(self) -> bool:
@@ -98,7 +121,8 @@ class GradLanding:
 
     def tensors(self) -> list[torch.Tensor]:
         """The download buffers and the kept conversions (for host memory accounting)."""
-        return list(self.buffers.values()) + list(self._spare.values())
+        return [t for kept in self.buffers.values() for t in kept] + \
+            list(self._spare.values())
 
     def retain(self, keys: set[tuple[int, str]]) -> None:
         """Drop the kept tensors of gradients a call no longer produced (a parameter

@@ -24,6 +24,7 @@ from typing import Iterable, Mapping, Protocol, Sequence
 import torch
 
 from ..plan import ModelProgram, StateSpec
+from .masters import LandedGrads, Master, raw_grad, set_raw_grad
 
 _WAIT_SLICE_S = 0.05
 
@@ -99,6 +100,9 @@ class ModelState:
         # use (set by HostState), so the first units' fences open first.
         self.publish_groups: list[tuple[str, ...]] = [tuple(self._params)]
         self.registered: list[object] = []  # storages page-locked in place (pin "register")
+        # Gradients kept in the model's dtype for masters a one-pass optimizer binds, and
+        # the weights its steps staged (runtime/masters.py).
+        self.landed = LandedGrads()
 
     @property
     def has_masters(self) -> bool:
@@ -119,8 +123,9 @@ class ModelState:
         with self._lock:
             master = self._masters.get(name)
             if master is None:
-                master = torch.nn.Parameter(param.detach().to(self.optim_dtype, copy=True),
-                                            requires_grad=True)
+                master = Master(param.detach().to(self.optim_dtype, copy=True),
+                                requires_grad=True)
+                self.landed.adopt(master, name)
                 self._masters[name] = master
         return master
 
@@ -151,7 +156,11 @@ class ModelState:
                         self.fences.record("publish_begin", name, version)
                         master = self._masters.get(name)
                         if master is not None:
-                            self._params[name].copy_(master)
+                            staged = self.landed.pop_staged(name, master)
+                            # A staged weight is the master rounded by the step that wrote
+                            # it: the same bytes, read at half the cost.
+                            self._params[name].copy_(master if staged is None else staged)
+                            self.landed.release(staged)
                         self.fences.record("publish_end", name, version)
                     done.update(group)
                     self.fences.publish(group, version)
@@ -161,12 +170,14 @@ class ModelState:
     def reset_masters_to_weights(self) -> None:
         """Make the masters equal the published weights (after a failed step)."""
         with self._lock, torch.no_grad():
+            self.landed.drop_staged()
             for name, master in self._masters.items():
                 master.copy_(self._params[name])
             self._dirty = False
 
     def load_masters(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set masters from ``values`` exactly (their weights follow at the next publish)."""
+        self.landed.drop_staged()
         with torch.no_grad():
             for name, value in values.items():
                 if name in self._params and self._params[name].requires_grad and \
@@ -175,23 +186,39 @@ class ModelState:
         self._dirty = True
 
     def commit_grads(self, grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
-                     owned: frozenset[str] = frozenset()) -> None:
+                     owned: frozenset[str] = frozenset(),
+                     holdable: frozenset[str] = frozenset()) -> None:
         """Add per-unit gradients to the masters' ``.grad`` (keyed by parameter name).
 
         Contributions are folded in descending unit order (the order backward produces
         them), so the result does not depend on how units were grouped into stages or on
         the device count.  ``owned``: the names whose tensors are fresh, in the masters'
         dtype, and may become ``.grad`` as they are; the others are reused buffers.
+        ``holdable``: names whose one contribution is a download buffer no later download
+        reuses while it is held: a master a one-pass optimizer binds keeps it as is.
         """
+        landed = self.landed
+        landed.check_not_consumed(list(grads))
         with torch.no_grad():
             for name, contributions in grads.items():
                 master = self.master(name)
-                total = fold_unit_grads(contributions, master.dtype,
-                                        fresh=master.grad is None and name not in owned)
-                if master.grad is None:
-                    master.grad = total
+                current = raw_grad(master)
+                pending = landed.pop_landed(name)
+                if (name in holdable and current is None and pending is None
+                        and len(contributions) == 1 and self.has_masters
+                        and landed.bound(name)):
+                    landed.hold(name, contributions[0][1])
+                    continue
+                total = fold_unit_grads(
+                    contributions, master.dtype,
+                    fresh=current is None and pending is None and name not in owned)
+                if pending is not None:  # the previous call's, still in low precision
+                    total = pending.to(master.dtype) + total
+                    landed.release(pending)
+                if current is None:
+                    set_raw_grad(master, total)
                 else:
-                    master.grad += total
+                    current += total
 
 
 def fold_unit_grads(contributions: Sequence[tuple[int, torch.Tensor]],
@@ -231,6 +258,11 @@ class HostView(Protocol):
         """Whether nothing holds a gradient of the slot yet (a converted gradient may
         then be handed over instead of added)."""
 
+    def lands_in_place(self, slot: str) -> bool:
+        """Whether the slot's gradient, if it has one contribution, may stay in its
+        download buffer (a one-pass optimizer reads it there): no conversion then, and
+        the buffer is not reused while held."""
+
 
 class HostState:
     """One program's view of the model state: state slot -> host tensor (a
@@ -263,14 +295,23 @@ class HostState:
         return self.shared.master(self.specs[slot].fqn).dtype  # gradients land on masters
 
     def has_no_grad(self, slot: str) -> bool:
-        return self.shared.master(self.specs[slot].fqn).grad is None
+        name = self.specs[slot].fqn
+        return raw_grad(self.shared.master(name)) is None and \
+            not self.shared.landed.has_landed(name)
+
+    def lands_in_place(self, slot: str) -> bool:
+        return self.shared.has_masters and self.shared.landed.bound(self.specs[slot].fqn)
 
     def commit(self, param_grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
                buffers: Mapping[str, torch.Tensor],
-               grads_owned: frozenset[str] = frozenset()) -> None:
+               grads_owned: frozenset[str] = frozenset(),
+               grads_holdable: frozenset[str] = frozenset()) -> None:
         """Commit a successful call: gradients into the masters, buffer updates."""
-        self.shared.commit_grads({self.specs[s].fqn: g for s, g in param_grads.items()},
-                                 owned=frozenset(self.specs[s].fqn for s in grads_owned))
+        fqn = {s: self.specs[s].fqn for s in param_grads}
+        self.shared.commit_grads({fqn[s]: g for s, g in param_grads.items()},
+                                 owned=frozenset(fqn[s] for s in grads_owned if s in fqn),
+                                 holdable=frozenset(fqn[s] for s in grads_holdable
+                                                    if s in fqn))
         with torch.no_grad():
             for slot, value in buffers.items():
                 self.tensors[slot].copy_(value)

@@ -110,24 +110,29 @@ class JobRunner:
 
     def _stage_grads(self, unit: int | None = None) -> list[tuple[str, int, torch.Tensor]]:
         """Download the parameter gradients not staged yet (only ``unit``'s, if given)."""
-        pool = self.ex.grad_buffers
+        landing = self.ex.landing
         staged: list[tuple[str, int, torch.Tensor]] = []
         leaves = (self.param_leaves.items() if unit is None else
                   (((unit, slot), self.param_leaves[(unit, slot)])
                    for slot in self.units_by_index[unit].state
                    if (unit, slot) in self.param_leaves))
+        in_place: set[str] = set()
         for (uid, slot), leaf in leaves:
             if leaf.grad is None or (uid, slot) in self.handed:
                 continue
-            host = self.device.download(leaf.grad, "grads", out=pool.get((uid, slot)))
-            pool[(uid, slot)] = host
+            host = self.device.download(leaf.grad, "grads", out=landing.buffer_for((uid, slot)))
+            landing.keep((uid, slot), host)
             self.handed.add((uid, slot))
             staged.append((slot, uid, host))
+            if self.call.on_grads is None and self.ex._readers[slot] == 1 and \
+                    self.ex.host.lands_in_place(slot):
+                in_place.add(slot)
         converted = {}
         # A parameter read by several units (tied weights, a shared layer) is summed by
         # the commit into a new tensor anyway: converting each contribution first would
         # only hold more full-precision copies.
-        single = [(slot, uid, g) for slot, uid, g in staged if self.ex._readers[slot] == 1]
+        single = [(slot, uid, g) for slot, uid, g in staged
+                  if self.ex._readers[slot] == 1 and slot not in in_place]
         if single and self._converts():
             landed = self.device.after_downloads()
             converted = {(slot, uid): self.ex.landing.convert_after(
@@ -138,6 +143,7 @@ class JobRunner:
             for slot, uid, g in staged:
                 self.call.param_grads.setdefault(slot, []).append((uid, g))
             self.call.converted.update(converted)
+            self.call.in_place.update(in_place)
         return staged
 
     def _converts(self) -> bool:

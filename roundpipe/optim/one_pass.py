@@ -1,0 +1,215 @@
+"""What ``roundpipe.optim``'s optimizers share: binding a pipe's masters, and one step
+that updates them in one pass over host memory.
+
+For each parameter the optimizer handles itself (a pipe's master, or any CPU parameter
+when ``state_dtype`` is set) a step reads the gradient where it landed (in the model's
+dtype, in the download buffer, unless something materialised ``p.grad``), updates master
+and moments, and writes the new low-precision weight into that same buffer for the next
+publish (runtime/masters.py).  Every other parameter is stepped by torch's own
+implementation, so plain parameters behave exactly as with ``torch.optim``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..errors import OptimizerError
+from ..runtime.masters import LandedGrads, owner_of, raw_grad, set_raw_grad
+
+
+def _unwrapped_step(cls: type) -> Callable[..., Any]:
+    """``cls.step`` without the profiling hook torch patches onto it (ours runs the
+    hooks once already)."""
+    step = cls.step
+    while getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
+
+
+def _unbind(bindings: list[tuple[LandedGrads, str]]) -> None:
+    for landed, name in bindings:
+        landed.unbind(name)
+
+
+class OnePass:
+    """Mixin for a ``torch.optim`` subclass; the subclass implements :meth:`_update`."""
+
+    _torch_base: type[torch.optim.Optimizer]
+    state_dtype: torch.dtype | None
+
+    def _init_one_pass(self, state_dtype: torch.dtype | None) -> None:
+        if state_dtype is not None and (not isinstance(state_dtype, torch.dtype)
+                                        or not state_dtype.is_floating_point):
+            raise OptimizerError(f"state_dtype must be a floating dtype such as "
+                                 f"torch.bfloat16 (or None for float32), got {state_dtype!r}")
+        self.state_dtype = None if state_dtype == torch.float32 else state_dtype
+        if not hasattr(self, "_bindings"):
+            self._bindings = []
+        weakref.finalize(self, _unbind, self._bindings)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)  # type: ignore[misc]
+        if not hasattr(self, "_bindings"):  # torch's __init__ adds the first groups
+            self._bindings = []
+        group = self.param_groups[-1]  # type: ignore[attr-defined]
+        for p in group["params"]:
+            owner = owner_of(p)
+            if owner is None:
+                continue
+            if group.get("differentiable") or group.get("capturable"):
+                raise OptimizerError(
+                    "differentiable=True and capturable=True do not apply to a pipe's "
+                    "masters (host tensors updated outside autograd); leave them False")
+            owner[0].bind(owner[1])
+            self._bindings.append(owner)
+
+    def _handles(self, p: torch.Tensor) -> bool:
+        """Whether this class's own kernel steps ``p`` (else torch's implementation)."""
+        return owner_of(p) is not None or (self.state_dtype is not None
+                                           and p.device.type == "cpu")
+
+    def _landed_bindings(self) -> list[LandedGrads]:
+        return list({id(b[0]): b[0] for b in self._bindings}.values())
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self.param_groups  # type: ignore[attr-defined]
+        mine = [[p for p in g["params"] if self._handles(p)] for g in groups]
+        for g, params in zip(groups, mine):
+            if params:
+                self._check_group(g)
+        for landed in self._landed_bindings():
+            if not landed.on_step_thread():
+                raise OptimizerError(
+                    f"{type(self).__name__}.step() updates a pipe's masters only inside "
+                    "the pipe's step_fn, where their weights are published afterwards: "
+                    "pipe.step(lambda: (opt.step(), opt.zero_grad()))")
+        self._torch_step_without(mine)
+        for g, params in zip(groups, mine):
+            for p in params:
+                self._step_one(p, g)
+        return loss
+
+    def _torch_step_without(self, mine: list[list[torch.Tensor]]) -> None:
+        """Torch's own step on every parameter this class does not handle."""
+        groups = self.param_groups  # type: ignore[attr-defined]
+        kept = [g["params"] for g in groups]
+        rest = [[p for p in g["params"] if not any(p is q for q in m)]
+                for g, m in zip(groups, mine)]
+        if not any(p.grad is not None for r in rest for p in r):
+            return
+        try:
+            for g, r in zip(groups, rest):
+                g["params"] = r
+            with torch.enable_grad():  # torch's step sets the grad mode it wants
+                _unwrapped_step(self._torch_base)(self)
+        finally:
+            for g, k in zip(groups, kept):
+                g["params"] = k
+
+    def _step_one(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        owner = owner_of(p)
+        buffer = owner[0].take(owner[1]) if owner is not None else None
+        grad = buffer if buffer is not None else raw_grad(p)
+        if grad is None:
+            return
+        if grad.is_sparse or grad.shape != p.shape:
+            raise OptimizerError(f"{type(self).__name__} got a gradient of shape "
+                                 f"{tuple(grad.shape)} (sparse={grad.is_sparse}) for a "
+                                 f"parameter of shape {tuple(p.shape)}")
+        # The new weight goes into the landing buffer, which then holds what publishing
+        # would write (runtime/masters.py).  Only for contiguous storage: the kernels run
+        # on 1-D views.
+        out = buffer if buffer is not None and _flat_ok(p, buffer) else None
+        try:
+            self._update(p, grad, out, group, self.state[p])  # type: ignore[attr-defined]
+        except BaseException:
+            if owner is not None and buffer is not None:
+                owner[0].release(buffer)
+            raise
+        if owner is not None and buffer is not None:
+            if out is not None:
+                owner[0].stage(owner[1], buffer, p)
+            else:
+                owner[0].release(buffer)
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
+                group: dict[str, Any], state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Hyperparameters checked before anything is written (a raising step changes
+        nothing)."""
+        lr = float(group["lr"])
+        if not math.isfinite(lr) or lr < 0:
+            raise OptimizerError(f"lr must be a finite number >= 0, got {group['lr']!r}")
+        if group.get("differentiable"):
+            raise OptimizerError("differentiable=True is not supported by roundpipe.optim's "
+                                 "one-pass kernels; use torch.optim for it")
+
+    def _moment(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=self.state_dtype or p.dtype,
+                                memory_format=torch.contiguous_format)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; for a pipe's masters it also drops gradients still held where they
+        landed, after any step in progress (so no step loses the gradient it reads)."""
+        def zero() -> None:
+            for group in self.param_groups:  # type: ignore[attr-defined]
+                for p in group["params"]:
+                    owner = owner_of(p)
+                    if owner is not None:
+                        owner[0].discard(owner[1])
+                    grad = raw_grad(p)
+                    if grad is None:
+                        continue
+                    if set_to_none:
+                        set_raw_grad(p, None)
+                    else:
+                        if grad.grad_fn is not None:
+                            grad.detach_()
+                        else:
+                            grad.requires_grad_(False)
+                        grad.zero_()
+        landed = self._landed_bindings()
+        if landed and not landed[0].on_step_thread():
+            landed[0].serial(zero)
+        else:
+            zero()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        # torch casts state to the parameter's dtype; moments kept in state_dtype stay so.
+        for p, state in self.state.items():  # type: ignore[attr-defined]
+            if self._handles(p):
+                for key, value in list(state.items()):
+                    if key != "step" and isinstance(value, torch.Tensor) and \
+                            value.is_floating_point():
+                        state[key] = value.to(self.state_dtype or p.dtype).contiguous()
+
+
+def _flat_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+
+
+def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A 1-D alias of ``t`` with no autograd identity (the compiler inspects a view's
+    base, and a master's ``.grad`` must not be read on the way)."""
+    return None if t is None else t.detach().view(-1)
+
+
+def step_count(state: dict[str, Any]) -> float:
+    """Advance and return the step count, kept as torch keeps it (a float32 tensor)."""
+    if "step" not in state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["step"] += 1
+    return float(state["step"].item())
+

@@ -1,0 +1,407 @@
+"""``roundpipe.optim``: torch's AdamW and SGD, one pass over host memory for a pipe's
+masters.  Checked against ``torch.optim`` on the same gradients, across device counts,
+against eager kernels, and for what ``p.grad``, failures and checkpoints see."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+import roundpipe.optim
+from roundpipe import (GradConsumedError, OptimizerError, RoundPipe, RoundPipeRunConfig,
+                       StepError, load_checkpoint, save_checkpoint)
+from roundpipe.optim import kernels
+
+ADAMW = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6,
+                                               weight_decay=0.0, amsgrad=True),
+         dict(lr=1e-2, maximize=True)]
+SGD = [dict(lr=1e-2), dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01),
+       dict(lr=5e-3, momentum=0.9, nesterov=True, maximize=True)]
+CASES = [("AdamW", kw) for kw in ADAMW] + [("SGD", kw) for kw in SGD]
+
+
+class Branches(nn.Module):
+    """Gradients that do not depend on the weights (each linear reads its own input and
+    the loss is linear in the output), so two optimizers see the same gradients at every
+    step, however far their weights drift apart."""
+
+    def __init__(self, n: int = 6, width: int = 16) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        h = 0
+        for i, lin in enumerate(self.lins):
+            h = h + lin(x[:, i])
+        return h
+
+
+def _branches(dtype):
+    torch.manual_seed(0)
+    model = Branches().to(dtype)
+    x = torch.randn(8, 6, 16, dtype=dtype)
+    weight = torch.randn(8, 16, dtype=dtype)
+    return model, x, weight
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)
+            ).item()
+
+
+@pytest.mark.parametrize("name, kwargs", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ten_steps_equal_torch_on_the_same_gradients(name, kwargs, dtype):
+    """A pipe's fp32 masters under roundpipe.optim against torch.optim on fp32 copies fed
+    the same gradients: relative difference <= 1e-6 per parameter after 10 steps; the
+    model weights are the masters rounded to the model's dtype."""
+    model, x, weight = _branches(dtype)
+    reference = [nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+    ref_opt = getattr(torch.optim, name)(reference, **kwargs)
+    # The gradient, computed once in the model's dtype (it does not depend on the weights).
+    eager = Branches().to(dtype)
+    eager.load_state_dict(model.state_dict())
+    (eager(x) * weight).sum().backward()
+    grads = [p.grad.float() for p in eager.parameters()]
+    with RoundPipe(model, devices=["cpu"] * 3, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=1)) as pipe:
+        opt = getattr(roundpipe.optim, name)(pipe.optim_parameters(), **kwargs)
+        for _ in range(10):
+            pipe.forward_backward(input_args=(x,), label=weight,
+                                  loss_fn=lambda out, w: (out * w).sum())
+            pipe.step(lambda: (opt.step(), opt.zero_grad()))
+            for p, g in zip(reference, grads):
+                p.grad = g.clone()
+            ref_opt.step()
+        pipe.synchronize()
+        for (n, m), r, w in zip(pipe.optim_named_parameters(), reference, model.parameters()):
+            assert _rel(m, r) <= 1e-6, n
+            assert torch.equal(w, m.detach().to(dtype)), n
+        for m, r in zip(pipe.optim_parameters(), reference):
+            for key, value in ref_opt.state[r].items():
+                if key != "step":
+                    assert _rel(opt.state[m][key], value) <= 1e-6, key
+
+
+@pytest.mark.parametrize("name, kwargs", CASES)
+def test_plain_parameters_are_stepped_by_torch(name, kwargs):
+    """No pipe: exactly torch's optimizer, state_dict included."""
+    torch.manual_seed(1)
+    a = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    ours, theirs = getattr(roundpipe.optim, name)(a, **kwargs), \
+        getattr(torch.optim, name)(b, **kwargs)
+    sched = torch.optim.lr_scheduler.StepLR(ours, 2, gamma=0.5)
+    sched_ref = torch.optim.lr_scheduler.StepLR(theirs, 2, gamma=0.5)
+    for _ in range(5):
+        for p, q in zip(a, b):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step(), theirs.step(), sched.step(), sched_ref.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    assert str(ours.state_dict()) == str(theirs.state_dict())
+
+
+@pytest.mark.parametrize("name, kwargs", CASES)
+@pytest.mark.parametrize("grad_dtype, state_dtype", [
+    (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16)])
+def test_compiled_kernels_equal_the_eager_arithmetic(name, kwargs, grad_dtype, state_dtype,
+                                                     monkeypatch):
+    """The compiled one-pass kernel against the same function run eagerly (which the
+    plain-parameter test ties to torch), staging the new weight into the gradient's
+    buffer or not, with moments in float32 or bfloat16."""
+    results = []
+    for eager in (False, True):
+        monkeypatch.setenv("ROUNDPIPE_OPTIM_EAGER", "1" if eager else "0")
+        torch.manual_seed(2)
+        p = nn.Parameter(torch.randn(3001))
+        opt = getattr(roundpipe.optim, name)([p], state_dtype=state_dtype, **kwargs)
+        staged = []
+        for _ in range(3):
+            p.grad = torch.randn(3001).to(grad_dtype).float()
+            opt.step()
+            staged.append(p.detach().clone())
+        results.append((p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()
+                                             if isinstance(v, torch.Tensor)}))
+        for value in opt.state[p].values():
+            if isinstance(value, torch.Tensor) and value.dim():
+                assert value.dtype == state_dtype
+    (p1, s1), (p2, s2) = results
+    assert _rel(p1, p2) <= 1e-6
+    for key in s1:
+        assert _rel(s1[key].float(), s2[key].float()) <= (1e-6 if state_dtype ==
+                                                          torch.float32 else 1e-2), key
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_kernels_stage_the_rounded_weight_into_the_gradient_buffer(name):
+    """What a step stages is the master rounded to the model's dtype, bit for bit, with
+    the gradient read before it is overwritten, for a float32 buffer too (where the
+    gradient and the new weight share a dtype)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(3)
+        master = torch.randn(1000)
+        grad = torch.randn(1000).to(dtype)
+        expected_master, state = master.clone(), torch.zeros(1000)
+        if name == "AdamW":
+            s = torch.tensor([0.99, 0.1, 0.999, 0.001, 0.03, 1e-8, -0.01])
+            kernels.adamw_update(expected_master, grad.clone(), state.clone(), state.clone(),
+                                 None, s, decay=True, maximize=False, stage=False)
+            kernels.run(kernels.adamw_update, ("test", dtype), master, grad, state.clone(),
+                        state.clone(), None, s, decay=True, maximize=False, stage=True)
+        else:
+            s = torch.tensor([0.0, 0.9, 1.0, -0.01])  # a first step: buffer = gradient
+            buf = state.clone()
+            kernels.sgd_update(expected_master, grad.clone(), state.clone(), s, decay=False,
+                               nesterov=False, maximize=False, stage=False)
+            kernels.run(kernels.sgd_update, ("test", dtype), master, grad, buf, s,
+                        decay=False, nesterov=False, maximize=False, stage=True)
+        assert _rel(master, expected_master) <= 1e-6
+        assert torch.equal(grad, master.to(dtype))
+
+
+def _gpt_run(optimizer, devices=2, steps=4, read_grads=False, state_dtype=None):
+    torch.manual_seed(0)
+    model, args, kwargs = models.gpt()
+    model = model.to(torch.bfloat16)
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+    with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        extra = {} if optimizer.__module__.startswith("torch") else \
+            {"state_dtype": state_dtype}
+        opt = optimizer(pipe.optim_parameters(), lr=1e-3, **extra)
+        grads = []
+        for _ in range(steps):
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+            if read_grads:
+                pipe.synchronize()
+                grads.append([p.grad.clone() for p in pipe.optim_parameters()])
+            pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        pipe.synchronize()
+        return ([m.detach().clone() for m in pipe.optim_parameters()],
+                [w.detach().clone() for w in model.parameters()],
+                [v.clone() for s in opt.state.values() for v in s.values()], grads)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_bit_identical_across_device_counts_and_whether_grads_are_read(name):
+    """Masters, weights and optimizer state are bitwise the same on 1 and 3 devices, and
+    whether or not p.grad is read (materialised) before each step."""
+    cls = getattr(roundpipe.optim, name)
+    one = _gpt_run(cls, devices=1)
+    three = _gpt_run(cls, devices=3)
+    read = _gpt_run(cls, devices=2, read_grads=True)
+    for run in (three, read):
+        for a, b in zip(one[:3], run[:3]):
+            assert len(a) == len(b)
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_p_grad_reads_the_landed_gradient_then_a_consumed_one_raises():
+    """p.grad before the step is the full-precision gradient torch's path commits; after
+    the step consumed it, reading raises until zero_grad; a call that would add to a
+    consumed gradient is refused before it commits anything."""
+    torch_grads = _gpt_run(torch.optim.AdamW, steps=1, read_grads=True)[3][0]
+    ours = _gpt_run(roundpipe.optim.AdamW, steps=1, read_grads=True)[3][0]
+    assert all(torch.equal(a, b) for a, b in zip(torch_grads, ours))
+    model, args, kwargs = models.gpt()
+    model = model.to(torch.bfloat16)
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+    with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32) as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-3)
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        pipe.step(opt.step)  # no zero_grad
+        pipe.synchronize()
+        p = pipe.optim_parameters()[1]
+        with pytest.raises(GradConsumedError, match="zero_grad"):
+            p.grad
+        before = [m.detach().clone() for m in pipe.optim_parameters()]
+        with pytest.raises(GradConsumedError, match="zero_grad"):
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        assert all(torch.equal(a, b) for a, b in zip(before, pipe.optim_parameters()))
+        opt.zero_grad()
+        assert p.grad is None
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        assert p.grad is not None and p.grad.dtype == torch.float32
+
+
+def test_accumulated_gradients_equal_torchs_path():
+    """Two calls before a step: the held low-precision gradient and the next are folded
+    in float32, as torch's path folds them."""
+    results = []
+    for cls in (torch.optim.SGD, roundpipe.optim.SGD):
+        torch.manual_seed(0)
+        model, args, kwargs = models.gpt()
+        model = model.to(torch.bfloat16)
+        loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+        with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32) as pipe:
+            opt = cls(pipe.optim_parameters(), lr=1e-2)
+            for _ in range(2):
+                for _ in range(2):
+                    pipe.forward_backward(input_args=args, input_kwargs=kwargs,
+                                          loss_fn=loss_fn)
+                pipe.step(lambda: (opt.step(), opt.zero_grad()))
+            pipe.synchronize()
+            results.append([m.detach().clone() for m in pipe.optim_parameters()])
+    for a, b in zip(*results):
+        assert _rel(a, b) <= 1e-6
+
+
+def test_host_bytes_per_parameter_meet_the_goal():
+    """bf16 model, fp32 masters: AdamW holds at most 16 B/param beyond the weights (no
+    fp32 .grad but the tied embedding's), and at most 12 with bf16 moments; torch's
+    AdamW holds 18."""
+    per_param = {}
+    for key, cls, state_dtype in [("torch", torch.optim.AdamW, None),
+                                  ("ours", roundpipe.optim.AdamW, None),
+                                  ("ours-bf16", roundpipe.optim.AdamW, torch.bfloat16)]:
+        model, args, kwargs = models.gpt(layers=2)
+        model = model.to(torch.bfloat16)
+        loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+        with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+            extra = {"state_dtype": state_dtype} if state_dtype else {}
+            opt = cls(pipe.optim_parameters(), lr=1e-3, **extra)
+            for _ in range(3):
+                pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+                pipe.step(lambda: (opt.step(), opt.zero_grad()))
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+            mem = pipe.host_memory(opt)
+            tied = 4 * model.wte.weight.numel()
+            if key != "torch":  # only the tied embedding, summed from two units, in fp32
+                assert mem.gradients == tied
+                per_param[key] = (mem.total - mem.weights - tied) / mem.trainable_params
+            else:
+                per_param[key] = (mem.total - mem.weights) / mem.trainable_params
+    assert per_param["torch"] >= 17.9  # masters 4, .grad 4, moments 8, landing 2
+    assert per_param["ours"] <= 16.1
+    assert per_param["ours-bf16"] <= 12.1
+
+
+def test_a_step_outside_step_fn_or_with_bad_settings_changes_nothing():
+    model, args, kwargs = models.gpt(layers=1)
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+    with RoundPipe(model.to(torch.bfloat16), devices=["cpu"] * 2,
+                   optim_dtype=torch.float32) as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-3)
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        pipe.synchronize()
+        with pytest.raises(OptimizerError, match="step_fn"):
+            opt.step()
+        before = [m.detach().clone() for m in pipe.optim_parameters()]
+        weights = [w.detach().clone() for w in model.parameters()]
+        opt.param_groups[0]["lr"] = float("nan")
+        with pytest.raises(StepError, match="lr must be"):
+            pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+
+        def closure_raises():
+            raise ValueError("closure failed")
+        opt.param_groups[0]["lr"] = 1e-3
+        with pytest.raises(StepError, match="closure failed"):
+            pipe.step(lambda: opt.step(closure_raises), is_async=False)
+        assert all(torch.equal(a, b) for a, b in zip(before, pipe.optim_parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+        assert opt.state == {} or all(not s for s in opt.state.values())
+        # the gradient survived the failed steps and the next one uses it
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        assert not all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+def test_a_master_written_after_the_step_is_what_gets_published():
+    """The staged weight is the step's; a write to the master after it (in the same
+    step_fn) must win, not be dropped."""
+    model, args, kwargs = models.gpt(layers=1)
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+    with RoundPipe(model.to(torch.bfloat16), devices=["cpu"] * 2,
+                   optim_dtype=torch.float32) as pipe:
+        opt = roundpipe.optim.SGD(pipe.optim_parameters(), lr=1e-2)
+        masters = pipe.optim_parameters()
+
+        def step_then_scale():
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                masters[0].mul_(0.5)
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        pipe.step(step_then_scale)
+        pipe.synchronize()
+        for m, w in zip(masters, model.parameters()):
+            assert torch.equal(w, m.detach().to(torch.bfloat16))
+
+
+def test_checkpoint_with_staged_weights_resumes_bit_exact(tmp_path):
+    """Saved while an async step's weights are staged (not yet published): a fresh pipe
+    that loads it continues exactly as the straight run."""
+    def run(steps, save_at=None, load=None):
+        torch.manual_seed(0)
+        model, _, _ = models.gpt(layers=2)
+        pipe = RoundPipe(model.to(torch.bfloat16), devices=["cpu"] * 2,
+                         optim_dtype=torch.float32, seed=3)
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        first = load_checkpoint(load, pipe, opt)["step"] if load else 0
+        for step in range(first, steps):
+            g = torch.Generator().manual_seed(step)
+            idx = torch.randint(0, 64, (4, 8), generator=g)
+            pipe.forward_backward(input_args=(idx,), label=idx,
+                                  loss_fn=lambda o, y: models.lm_loss(o, y))
+            pipe.step(lambda: (opt.step(), opt.zero_grad()))
+            if save_at == step + 1:
+                save_checkpoint(tmp_path / "c.pt", pipe, opt, extra={"step": step + 1})
+                pipe.close()
+                return None
+        pipe.synchronize()
+        out = [m.detach().clone() for m in pipe.optim_parameters()] + \
+            [w.detach().clone() for w in pipe.model.parameters()]
+        pipe.close()
+        return out
+
+    straight = run(5)
+    run(5, save_at=2)
+    resumed = run(5, load=tmp_path / "c.pt")
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_binding_is_released_with_the_optimizer():
+    """A pipe whose one-pass optimizer is gone lands gradients as before (fp32 .grad)."""
+    model, args, kwargs = models.gpt(layers=1)
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+    with RoundPipe(model.to(torch.bfloat16), devices=["cpu"] * 2,
+                   optim_dtype=torch.float32) as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-3)
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        tied = 4 * model.wte.weight.numel()  # folded from two units: fp32 .grad anyway
+        assert pipe.host_memory().gradients == tied
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        pipe.synchronize()
+        del opt
+        import gc
+        gc.collect()
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        mem = pipe.host_memory()
+        assert mem.gradients == 4 * mem.trainable_params
+
+
+def test_settings_that_do_not_apply_are_refused():
+    with RoundPipe(models.gpt(layers=1)[0], devices=["cpu"], optim_dtype=torch.float32) \
+            as pipe:
+        with pytest.raises(OptimizerError, match="differentiable"):
+            roundpipe.optim.AdamW(pipe.optim_parameters(), differentiable=True)
+        with pytest.raises(OptimizerError, match="state_dtype"):
+            roundpipe.optim.SGD(pipe.optim_parameters(), state_dtype=torch.int8)
+
+
+def test_every_flag_combination_compiles_to_distinct_kernels():
+    """Variants do not share one compiled function's recompile limit."""
+    for decay, maximize, stage in itertools.product([False, True], repeat=3):
+        p, g = torch.randn(64), torch.randn(64).bfloat16()
+        m, v = torch.zeros(64), torch.zeros(64)
+        s = torch.tensor([0.99, 0.1, 0.999, 0.001, 0.03, 1e-8, -0.01])
+        kernels.run(kernels.adamw_update, ("flags", decay, maximize, stage), p, g, m, v,
+                    None, s, decay=decay, maximize=maximize, stage=stage)
+    assert not kernels._failed
