@@ -13,7 +13,10 @@ parameters, trains ``--steps`` steps on one virtual CPU device and then reads
 * the bytes per trainable parameter beyond the model's weights, per category.
 
 A configuration is ``<model dtype>-<masters dtype or none>-<optimizer>``, optimizers
-``sgd`` (momentum 0.9), ``adamw``; ``lora`` trains rank-8 adapters beside frozen weights.
+``sgd`` (momentum 0.9), ``adamw``; ``lora`` trains rank-8 adapters beside frozen weights;
+``rpsgd``, ``rpadamw`` and ``rpadamwbf16`` are ``roundpipe.optim.SGD`` / ``AdamW`` (the
+last with bf16 moments), stepped asynchronously as in training (so the staged weights of
+one step and the next call's gradients hold two landing buffer sets).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 CONFIGS = ("fp32-none-sgd", "fp32-none-adamw", "bf16-fp32-sgd", "bf16-fp32-adamw",
-           "bf16-fp32-lora")
+           "bf16-fp32-lora", "bf16-fp32-rpsgd", "bf16-fp32-rpadamw", "bf16-fp32-rpadamwbf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": None}
 
 
@@ -83,13 +86,20 @@ def run_one(config: str, params_millions: int, steps: int) -> dict:
                                model_run_config=roundpipe.RoundPipeRunConfig(
                                    num_microbatch=2))
     params = pipe.optim_parameters()
-    opt = (torch.optim.SGD(params, lr=1e-4, momentum=0.9) if optim == "sgd"
-           else torch.optim.AdamW(params, lr=1e-4))
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=1e-4, momentum=0.9),
+           "adamw": lambda: torch.optim.AdamW(params, lr=1e-4),
+           "lora": lambda: torch.optim.AdamW(params, lr=1e-4),
+           "rpsgd": lambda: roundpipe.optim.SGD(params, lr=1e-4, momentum=0.9),
+           "rpadamw": lambda: roundpipe.optim.AdamW(params, lr=1e-4),
+           "rpadamwbf16": lambda: roundpipe.optim.AdamW(params, lr=1e-4,
+                                                         state_dtype=torch.bfloat16),
+           }[optim]()
     progress = Progress(range(steps), steps, config)
     for _ in progress:
         pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
         pipe.step(lambda: (opt.step(), opt.zero_grad()))
-        pipe.synchronize()
+        if not optim.startswith("rp"):
+            pipe.synchronize()
         progress.show(rss_gib=f"{(rss_bytes() - base) / 2**30:.2f}")
     progress.close()
     # The steady state between calls: the last call's gradients committed, not stepped.

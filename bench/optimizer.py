@@ -14,8 +14,10 @@ It also reports how long the next ``forward_backward`` waits for a pending step:
 right after an async step against its time with no step pending; and the host's work per
 step for a bf16 model with fp32 masters, in seconds per billion parameters, phase by phase
 (landing: bf16 gradient -> fp32 ``.grad``; update: fused AdamW; publish: fp32 masters ->
-bf16 weights), against the one-pass roofline: 28 bytes per parameter (AdamW, fp32 state)
-over the STREAM-triad bandwidth measured in the same run with all threads.
+bf16 weights) against ``roundpipe.optim``'s one pass (update reading the landed bf16
+gradient and staging the bf16 weight; publish: a bf16 copy), against the one-pass
+roofline: bytes per parameter over the STREAM-triad bandwidth measured in the same run
+with all threads.  ``--host-only`` runs just that table.
 """
 
 from __future__ import annotations
@@ -60,7 +62,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--host-only", action="store_true")
     args = parser.parse_args()
+    if args.host_only:
+        host_step(args.width * args.width * args.layers, args.repeats)
+        return
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
     n = sum(p.numel() for p in model.parameters())
@@ -132,9 +138,42 @@ def triad_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     return 3 * nbytes / statistics.median(times)
 
 
+def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str):
+    """roundpipe.optim's step on one flat master, as its optimizers run it: the kernel
+    reads the bf16 gradient where it landed and stages the new bf16 weight in its place;
+    publishing copies that into the weight."""
+    from roundpipe.optim import kernels
+    master = weight.float()
+    grad = landed.clone()
+    if kind == "sgd":
+        buf = torch.zeros(n)
+        s = torch.tensor([0.0, 0.9, 0.9, -1e-4])
+        key = ("bench-sgd",)
+
+        def update() -> None:
+            grad.copy_(landed)  # (untimed below) the next call's gradient
+            kernels.run(kernels.sgd_update, key, master, grad, buf, s, decay=False,
+                        nesterov=False, maximize=False, stage=True)
+    else:
+        state = torch.float32 if kind == "adamw" else torch.bfloat16
+        m, v = torch.zeros(n, dtype=state), torch.zeros(n, dtype=state)
+        s = torch.tensor([1 - 1e-6, 0.1, 0.999, 0.001, 0.03, 1e-8, -1e-4])
+        key = ("bench-adamw", state)
+
+        def update() -> None:
+            kernels.run(kernels.adamw_update, key, master, grad, m, v, None, s, decay=True,
+                        maximize=False, stage=True)
+    return {"refill": lambda: grad.copy_(landed), "update": update,
+            "publish": lambda: weight.copy_(grad)}
+
+
 def host_step(n: int, repeats: int) -> None:
-    """Today's three passes over host memory per step (bf16 model, fp32 masters, AdamW),
-    each timed on its own, interleaved round by round."""
+    """The host's work per step (bf16 model, fp32 masters), phase by phase: torch's path
+    (three passes: landing bf16 -> fp32 .grad, fused AdamW, publish fp32 -> bf16) against
+    roundpipe.optim's (one pass that reads the landed bf16 gradient and stages the bf16
+    weight, then a bf16 publish copy), interleaved round by round, against the one-pass
+    roofline: bytes per parameter (28 AdamW, 20 AdamW with bf16 state, 12 SGD with
+    momentum) over the STREAM-triad bandwidth measured in the same run."""
     weight = torch.randn(n).to(torch.bfloat16)
     landed = torch.randn(n).to(torch.bfloat16) * 1e-3  # a downloaded bf16 gradient
     master = torch.nn.Parameter(weight.float())
@@ -142,27 +181,48 @@ def host_step(n: int, repeats: int) -> None:
     opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
     master.grad.copy_(landed)
     opt.step()
-    phases: dict[str, list[float]] = {"landing": [], "update": [], "publish": []}
-    work = {"landing": lambda: master.grad.copy_(landed), "update": opt.step,
-            "publish": lambda: weight.copy_(master.detach())}
+    paths = {"torch AdamW (fused)": {"landing": lambda: master.grad.copy_(landed),
+                                     "update": opt.step,
+                                     "publish": lambda: weight.copy_(master.detach())}}
+    for kind, label in (("adamw", "roundpipe.optim.AdamW"),
+                        ("adamw-bf16", "roundpipe.optim.AdamW(state_dtype=bf16)"),
+                        ("sgd", "roundpipe.optim.SGD(momentum)")):
+        work = _one_pass_work(n, weight, landed, kind)
+        for _ in range(2):  # compile, warm
+            work["refill"]()
+            work["update"]()
+        paths[label] = work
+    times: dict[str, dict[str, list[float]]] = {k: {} for k in paths}
     for _ in range(repeats):
-        for name, fn in work.items():
-            t = time.perf_counter()
-            fn()
-            phases[name].append(time.perf_counter() - t)
+        for label, work in paths.items():
+            for phase, fn in work.items():
+                if phase == "refill":  # the next call's download: not host step work
+                    fn()
+                    continue
+                t = time.perf_counter()
+                fn()
+                times[label].setdefault(phase, []).append(time.perf_counter() - t)
     bandwidth = triad_bandwidth()
     per_b = 1e9 / n
-    med = {k: statistics.median(v) * per_b for k, v in phases.items()}
-    total = sum(med.values())
-    roofline = 28 * 1e9 / bandwidth
-    rows = [[k, f"{v:.2f}"] for k, v in med.items()]
-    rows += [["old path: landing + update + publish", f"{total:.2f}"],
-             ["one-pass roofline: 28 B/param / triad bandwidth", f"{roofline:.2f}"],
-             ["old path / roofline", f"{total / roofline:.2f}"]]
-    print(f"host step, bf16 model with fp32 masters and AdamW, {n / 1e6:.1f} M parameters, "
-          f"triad bandwidth {bandwidth / 1e9:.1f} GB/s with {torch.get_num_threads()} "
-          "threads")
-    print(tabulate(rows, headers=["phase", "s per billion parameters"]))
+    bytes_per_param = {"torch AdamW (fused)": 28, "roundpipe.optim.AdamW": 28,
+                       "roundpipe.optim.AdamW(state_dtype=bf16)": 20,
+                       "roundpipe.optim.SGD(momentum)": 12}
+    rows = []
+    old_total = None
+    for label, phases in times.items():
+        med = {k: statistics.median(v) * per_b for k, v in phases.items()}
+        total = sum(med.values())
+        if old_total is None:
+            old_total = total
+        roofline = bytes_per_param[label] * 1e9 / bandwidth
+        rows.append([label, f"{med.get('landing', 0.0):.2f}", f"{med['update']:.2f}",
+                     f"{med['publish']:.2f}", f"{total:.2f}", f"{roofline:.2f}",
+                     f"{roofline / total:.2f}", f"{old_total / total:.2f}"])
+    print(f"host step, bf16 model with fp32 masters, {n / 1e6:.1f} M parameters, triad "
+          f"bandwidth {bandwidth / 1e9:.1f} GB/s with {torch.get_num_threads()} threads, "
+          f"median of {repeats}, seconds per billion parameters")
+    print(tabulate(rows, headers=["path", "landing", "update", "publish", "total",
+                                  "roofline", "roofline / total", "speed-up vs torch"]))
 
 
 def grad_landing(n: int, repeats: int) -> None:

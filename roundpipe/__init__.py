@@ -20,6 +20,7 @@ from .errors import DataParallelError, GradConsumedError, OptimizerError, Replic
 from .runtime.data_parallel import DataParallelConfig
 from .plan import StagePlan
 from .runtime.host_memory import HostMemory
+from . import optim  # roundpipe.optim.AdamW / SGD
 
 
 def _backend_entry_point_installed() -> bool:

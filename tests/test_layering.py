@@ -45,6 +45,8 @@ def _package(name: str) -> list[pathlib.Path]:
     ("runtime", "roundpipe.compiler"),
     ("passes", "roundpipe.api"),
     ("runtime", "roundpipe.api"),
+    ("runtime", "roundpipe.optim"),
+    ("passes", "roundpipe.optim"),
 ])
 def test_layers_do_not_import_each_other(inner, forbidden):
     offenders = {p.name: sorted(m for m in _imports(p)

@@ -56,7 +56,8 @@ class AdamW(OnePass, torch.optim.AdamW):
                           -(lr / bias1)], dtype=torch.float32)
         operands = [p, grad, state["exp_avg"], state["exp_avg_sq"],
                     state.get("max_exp_avg_sq") if amsgrad else None]
-        flags = dict(decay=wd != 0, maximize=bool(group["maximize"]), stage=out is not None)
+        flags = dict(decay=wd != 0, maximize=bool(group["maximize"]), stage=out is not None,
+                     lerp_low=1 - beta1 < 0.5)
         if all(t is None or t.is_contiguous() for t in operands):
             operands = [flat(t) for t in operands]
             key = tuple(None if t is None else t.dtype for t in operands) + \
