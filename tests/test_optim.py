@@ -107,10 +107,10 @@ def test_plain_parameters_are_stepped_by_torch(name, kwargs):
     assert str(ours.state_dict()) == str(theirs.state_dict())
 
 
-@pytest.mark.parametrize("name, kwargs", CASES)
-@pytest.mark.parametrize("grad_dtype, state_dtype", [
-    (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-    (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("name, kwargs, grad_dtype, state_dtype", [
+    (name, kw, torch.bfloat16, torch.float32) for name, kw in CASES] + [
+    (name, kw, g, st) for name, kw in (CASES[1], CASES[4])
+    for g, st in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16))])
 def test_compiled_kernels_equal_the_eager_arithmetic(name, kwargs, grad_dtype, state_dtype,
                                                      monkeypatch):
     """The compiled one-pass kernel against the same function run eagerly (which the
