@@ -15,7 +15,7 @@ right after an async step against its time with no step pending; and the host's 
 step for a bf16 model with fp32 masters, in seconds per billion parameters, phase by phase
 (landing: bf16 gradient -> fp32 ``.grad``; update: fused AdamW; publish: fp32 masters ->
 bf16 weights) against ``roundpipe.optim``'s one pass (update reading the landed bf16
-gradient and staging the bf16 weight; publish: a bf16 copy), against the one-pass
+gradient; the same publish), against the one-pass
 roofline: bytes per parameter over the STREAM-triad bandwidth measured in the same run
 with all threads.  ``--host-only`` runs just that table.
 """
@@ -140,8 +140,7 @@ def triad_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
 
 def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str):
     """roundpipe.optim's step on one flat master, as its optimizers run it: the kernel
-    reads the bf16 gradient where it landed and stages the new bf16 weight in its place;
-    publishing copies that into the weight."""
+    reads the bf16 gradient where it landed; publishing converts the master."""
     from roundpipe.optim import kernels
     master = weight.float()
     grad = landed.clone()
@@ -151,9 +150,8 @@ def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str
         key = ("bench-sgd",)
 
         def update() -> None:
-            grad.copy_(landed)  # (untimed below) the next call's gradient
             kernels.run(kernels.sgd_update, key, master, grad, buf, s, decay=False,
-                        nesterov=False, maximize=False, stage=True)
+                        nesterov=False, maximize=False)
     else:
         state = torch.float32 if kind == "adamw" else torch.bfloat16
         m, v = torch.zeros(n, dtype=state), torch.zeros(n, dtype=state)
@@ -162,16 +160,16 @@ def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str
 
         def update() -> None:
             kernels.run(kernels.adamw_update, key, master, grad, m, v, None, s, decay=True,
-                        maximize=False, stage=True)
+                        maximize=False)
     return {"refill": lambda: grad.copy_(landed), "update": update,
-            "publish": lambda: weight.copy_(grad)}
+            "publish": lambda: weight.copy_(master)}
 
 
 def host_step(n: int, repeats: int) -> None:
     """The host's work per step (bf16 model, fp32 masters), phase by phase: torch's path
     (three passes: landing bf16 -> fp32 .grad, fused AdamW, publish fp32 -> bf16) against
-    roundpipe.optim's (one pass that reads the landed bf16 gradient and stages the bf16
-    weight, then a bf16 publish copy), interleaved round by round, against the one-pass
+    roundpipe.optim's (one pass that reads the landed bf16 gradient, then the same
+    publish), interleaved round by round, against the one-pass
     roofline: bytes per parameter (28 AdamW, 20 AdamW with bf16 state, 12 SGD with
     momentum) over the STREAM-triad bandwidth measured in the same run."""
     weight = torch.randn(n).to(torch.bfloat16)

@@ -16,7 +16,7 @@ from .grad_scaler import GradScaler
 from .errors import (ConfigError, InputError, LossError, MergeError, ModelError,
                      OutOfMemoryError, PartitionError, RoundPipeError, StageError, StepError,
                      TraceError, UnknownConfigFieldError)
-from .errors import DataParallelError, GradConsumedError, OptimizerError, ReplicaError
+from .errors import DataParallelError, OptimizerError, ReplicaError
 from .runtime.data_parallel import DataParallelConfig
 from .plan import StagePlan
 from .runtime.host_memory import HostMemory
@@ -68,7 +68,6 @@ __all__ = [
     "StageError",
     "StepError",
     "OptimizerError",
-    "GradConsumedError",
     "OutOfMemoryError",
     "DataParallelConfig",
     "DataParallelError",

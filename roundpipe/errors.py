@@ -70,10 +70,6 @@ class StepError(RoundPipeError, RuntimeError):
     """The ``step_fn`` passed to ``RoundPipe.step`` raised."""
 
 
-class GradConsumedError(RoundPipeError, RuntimeError):
-    """A ``roundpipe.optim`` step consumed a gradient that is then read or added to."""
-
-
 class OptimizerError(RoundPipeError, ValueError):
     """A ``roundpipe.optim`` optimizer was given something it cannot update."""
 

@@ -12,8 +12,8 @@ import torch.nn as nn
 
 import models
 import roundpipe.optim
-from roundpipe import (GradConsumedError, OptimizerError, RoundPipe, RoundPipeRunConfig,
-                       StepError, load_checkpoint, save_checkpoint)
+from roundpipe import (OptimizerError, RoundPipe, RoundPipeRunConfig, StepError,
+                       load_checkpoint, save_checkpoint)
 from roundpipe.optim import kernels
 
 ADAMW = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6,
@@ -139,33 +139,6 @@ def test_compiled_kernels_equal_the_eager_arithmetic(name, kwargs, grad_dtype, s
                                                           torch.float32 else 1e-2), key
 
 
-@pytest.mark.parametrize("name", ["AdamW", "SGD"])
-def test_kernels_stage_the_rounded_weight_into_the_gradient_buffer(name):
-    """What a step stages is the master rounded to the model's dtype, bit for bit, with
-    the gradient read before it is overwritten, for a float32 buffer too (where the
-    gradient and the new weight share a dtype)."""
-    for dtype in (torch.bfloat16, torch.float32):
-        torch.manual_seed(3)
-        master = torch.randn(1000)
-        grad = torch.randn(1000).to(dtype)
-        expected_master, state = master.clone(), torch.zeros(1000)
-        if name == "AdamW":
-            s = torch.tensor([0.99, 0.1, 0.999, 0.001, 0.03, 1e-8, -0.01])
-            kernels.adamw_update(expected_master, grad.clone(), state.clone(), state.clone(),
-                                 None, s, decay=True, maximize=False, stage=False)
-            kernels.run(kernels.adamw_update, ("test", dtype), master, grad, state.clone(),
-                        state.clone(), None, s, decay=True, maximize=False, stage=True)
-        else:
-            s = torch.tensor([0.0, 0.9, 1.0, -0.01])  # a first step: buffer = gradient
-            buf = state.clone()
-            kernels.sgd_update(expected_master, grad.clone(), state.clone(), s, decay=False,
-                               nesterov=False, maximize=False, stage=False)
-            kernels.run(kernels.sgd_update, ("test", dtype), master, grad, buf, s,
-                        decay=False, nesterov=False, maximize=False, stage=True)
-        assert _rel(master, expected_master) <= 1e-6
-        assert torch.equal(grad, master.to(dtype))
-
-
 def _gpt_run(optimizer, devices=2, steps=4, read_grads=False, state_dtype=None):
     torch.manual_seed(0)
     model, args, kwargs = models.gpt()
@@ -203,32 +176,126 @@ def test_bit_identical_across_device_counts_and_whether_grads_are_read(name):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_p_grad_reads_the_landed_gradient_then_a_consumed_one_raises():
-    """p.grad before the step is the full-precision gradient torch's path commits; after
-    the step consumed it, reading raises until zero_grad; a call that would add to a
-    consumed gradient is refused before it commits anything."""
-    torch_grads = _gpt_run(torch.optim.AdamW, steps=1, read_grads=True)[3][0]
-    ours = _gpt_run(roundpipe.optim.AdamW, steps=1, read_grads=True)[3][0]
-    assert all(torch.equal(a, b) for a, b in zip(torch_grads, ours))
-    model, args, kwargs = models.gpt()
+def _masters_after(cls, step_fn_of, calls_per_step=1, steps=2, **kwargs):
+    """bf16 GPT, fp32 masters, ``steps`` of ``calls_per_step`` calls then
+    ``pipe.step(step_fn_of(opt, masters))``: the masters and p.grad afterwards."""
+    torch.manual_seed(0)
+    model, args, kw = models.gpt(layers=2)
     model = model.to(torch.bfloat16)
     loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
     with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32) as pipe:
-        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-3)
-        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
-        pipe.step(opt.step)  # no zero_grad
+        masters = pipe.optim_parameters()
+        opt = cls(masters, lr=1e-2, **kwargs)
+        for _ in range(steps):
+            for _ in range(calls_per_step):
+                pipe.forward_backward(input_args=args, input_kwargs=kw, loss_fn=loss_fn)
+            try:
+                pipe.step(step_fn_of(opt, masters), is_async=False)
+            except StepError:
+                pass
         pipe.synchronize()
-        p = pipe.optim_parameters()[1]
-        with pytest.raises(GradConsumedError, match="zero_grad"):
-            p.grad
-        before = [m.detach().clone() for m in pipe.optim_parameters()]
-        with pytest.raises(GradConsumedError, match="zero_grad"):
+        grads = [None if m.grad is None else m.grad.clone() for m in masters]
+        weights = [w.detach().clone() for w in model.parameters()]
+        return [m.detach().clone() for m in masters], grads, weights
+
+
+def _same_as_torch(step_fn_of, **kwargs):
+    ours = _masters_after(roundpipe.optim.SGD, step_fn_of, **kwargs)
+    theirs = _masters_after(torch.optim.SGD, step_fn_of, **kwargs)
+    for a, b in zip(ours[0], theirs[0]):
+        assert _rel(a, b) <= 1e-6
+    for a, b in zip(ours[1], theirs[1]):
+        assert (a is None) == (b is None)
+        assert a is None or torch.equal(a, b)
+    for m, w in zip(ours[0], ours[2]):
+        if w.shape == m.shape:
+            assert torch.equal(w, m.to(torch.bfloat16))
+
+
+def test_p_grad_and_steps_behave_as_with_torchs_optimizer():
+    """What torch's optimizer allows, with the gradient held where it landed: p.grad read
+    after the step, no zero_grad (the next call accumulates), two steps on one gradient,
+    a retry after a step_fn that raised after opt.step(), zero_grad(set_to_none=False)."""
+    _same_as_torch(lambda opt, ms: opt.step)                       # never zeroed
+    _same_as_torch(lambda opt, ms: lambda: (opt.step(), opt.step(), opt.zero_grad()))
+    _same_as_torch(lambda opt, ms: lambda: (opt.step(), opt.zero_grad(set_to_none=False)),
+                   steps=3)
+
+    failed = set()  # the optimizers whose step_fn raised once already
+
+    def raise_once(opt, ms):
+        def fn():
+            opt.step()
+            if id(opt) not in failed:
+                failed.add(id(opt))
+                raise ValueError("after the step")
+            opt.zero_grad()
+        return fn
+    _same_as_torch(raise_once)
+
+
+def test_two_optimizers_over_the_same_masters_apply_the_gradient_twice():
+    """As torch's: each applies the gradient it finds."""
+    def run(cls):
+        torch.manual_seed(0)
+        model, args, kw = models.gpt(layers=1)
+        model = model.to(torch.bfloat16)
+        loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+        with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32) as pipe:
+            a = cls(pipe.optim_parameters(), lr=1e-2)
+            b = cls(pipe.optim_parameters(), lr=1e-2, momentum=0.5)
+            for _ in range(2):
+                pipe.forward_backward(input_args=args, input_kwargs=kw, loss_fn=loss_fn)
+                pipe.step(lambda: (a.step(), b.step(), a.zero_grad()))
+            pipe.synchronize()
+            return [m.detach().clone() for m in pipe.optim_parameters()]
+    for x, y in zip(run(roundpipe.optim.SGD), run(torch.optim.SGD)):
+        assert _rel(x, y) <= 1e-6
+
+
+def test_a_master_written_through_data_after_the_step_is_published():
+    """Weight clipping through .data after opt.step() (no version bump) reaches the
+    model weights."""
+    model, args, kwargs = models.gpt(layers=1)
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+    with RoundPipe(model.to(torch.bfloat16), devices=["cpu"] * 2,
+                   optim_dtype=torch.float32) as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-1)
+        masters = pipe.optim_parameters()
+
+        def step_then_clip():
+            opt.step()
+            opt.zero_grad()
+            for m in masters:
+                m.data.clamp_(-0.01, 0.01)
+        for _ in range(2):
             pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
-        assert all(torch.equal(a, b) for a, b in zip(before, pipe.optim_parameters()))
-        opt.zero_grad()
-        assert p.grad is None
-        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
-        assert p.grad is not None and p.grad.dtype == torch.float32
+            pipe.step(step_then_clip)
+        pipe.synchronize()
+        for m, w in zip(masters, model.parameters()):
+            assert torch.equal(w, m.detach().to(torch.bfloat16))
+            assert w.abs().max() <= 0.01
+
+
+def test_the_optimizer_copies_pickles_and_outlives_its_pipe():
+    import copy
+    import pickle
+    model, args, kwargs = models.gpt(layers=1)
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+    pipe = RoundPipe(model.to(torch.bfloat16), devices=["cpu"] * 2,
+                     optim_dtype=torch.float32)
+    opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-3, state_dtype=torch.bfloat16)
+    pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+    pipe.step(lambda: (opt.step(), opt.zero_grad()))
+    pipe.synchronize()
+    for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert other.state_dtype == torch.bfloat16
+        p = nn.Parameter(torch.randn(4))
+        p.grad = torch.randn(4)
+        other.add_param_group({"params": [p]})
+        other.step()
+    pipe.close()
+    opt.zero_grad()  # after close: no pending step to wait for
 
 
 def test_accumulated_gradients_equal_torchs_path():
@@ -398,10 +465,10 @@ def test_settings_that_do_not_apply_are_refused():
 
 def test_every_flag_combination_compiles_to_distinct_kernels():
     """Variants do not share one compiled function's recompile limit."""
-    for decay, maximize, stage in itertools.product([False, True], repeat=3):
+    for decay, maximize, stage in itertools.product([False, True], repeat=3):  # lerp_low
         p, g = torch.randn(64), torch.randn(64).bfloat16()
         m, v = torch.zeros(64), torch.zeros(64)
         s = torch.tensor([0.99, 0.1, 0.999, 0.001, 0.03, 1e-8, -0.01])
         kernels.run(kernels.adamw_update, ("flags", decay, maximize, stage), p, g, m, v,
-                    None, s, decay=decay, maximize=maximize, stage=stage)
+                    None, s, decay=decay, maximize=maximize, lerp_low=stage)
     assert not kernels._failed

@@ -16,8 +16,8 @@ from .one_pass import OnePass, flat, step_count
 class AdamW(OnePass, torch.optim.AdamW):
     """``torch.optim.AdamW`` with the same arguments, param groups, ``state_dict`` and
     LR-scheduler support.  Given ``pipe.optim_parameters()`` each step reads every
-    master's gradient where it landed (in the model's dtype) and writes master, moments
-    and the model's low-precision weight in the same pass.  Plain parameters are
+    master's gradient where it landed (in the model's dtype, no fp32 ``.grad``) and
+    writes master and moments in the same pass.  Plain parameters are
     stepped by torch's own AdamW.
 
     ``state_dtype=torch.bfloat16`` keeps the moments in bfloat16 (4 bytes per parameter
@@ -38,7 +38,7 @@ class AdamW(OnePass, torch.optim.AdamW):
             raise OptimizerError(f"AdamW needs 0 <= betas < 1 and eps >= 0, got "
                                  f"betas={group['betas']!r}, eps={group['eps']!r}")
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
+    def _update(self, p: torch.Tensor, grad: torch.Tensor,
                 group: dict[str, Any], state: dict[str, Any]) -> None:
         amsgrad = bool(group["amsgrad"])
         if "exp_avg" not in state:
@@ -56,7 +56,7 @@ class AdamW(OnePass, torch.optim.AdamW):
                           -(lr / bias1)], dtype=torch.float32)
         operands = [p, grad, state["exp_avg"], state["exp_avg_sq"],
                     state.get("max_exp_avg_sq") if amsgrad else None]
-        flags = dict(decay=wd != 0, maximize=bool(group["maximize"]), stage=out is not None,
+        flags = dict(decay=wd != 0, maximize=bool(group["maximize"]),
                      lerp_low=1 - beta1 < 0.5)
         if all(t is None or t.is_contiguous() for t in operands):
             operands = [flat(t) for t in operands]

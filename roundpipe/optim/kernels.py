@@ -1,4 +1,4 @@
-"""One-pass update kernels: gradient in, master, moments and low-precision weight out.
+"""One-pass update kernels: the gradient (in the model's dtype) in, master and moments out.
 
 Each function reads every operand once and writes every result once; ``torch.compile``
 (inductor) turns it into one vectorised, OpenMP-parallel loop on the CPU, so a step moves
@@ -31,21 +31,20 @@ SGD_SCALARS = ("weight_decay", "momentum", "dampening_weight", "neg_lr")
 
 
 def _load(t: torch.Tensor) -> torch.Tensor:
-    # Always a copy: a result that aliases an input the kernel also writes (the gradient,
-    # when it is float32 and the new weight is staged into it) would be read back after
-    # the write by the compiled program.
+    # Always a copy (free in the compiled loop): a result that aliases an input the
+    # kernel also writes is read back after the write by the compiled program (found
+    # with SGD's first momentum buffer).
     return t.to(torch.float32, copy=True)
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                  exp_avg_sq: torch.Tensor, max_exp_avg_sq: torch.Tensor | None,
-                 s: torch.Tensor, *, decay: bool, maximize: bool, stage: bool,
+                 s: torch.Tensor, *, decay: bool, maximize: bool,
                  lerp_low: bool = True) -> None:
     """AdamW on one tensor (torch's ``_single_tensor_adam`` with decoupled decay).
     ``lerp_low``: ``1 - beta1 < 0.5``, which picks the one of ``torch.lerp``'s two
     formulas it uses (computing both and blending cost 35% of the kernel's time).
-    ``stage``: afterwards ``grad`` holds the new parameter in its own dtype.  Every
-    result is computed before anything is written (run eagerly, an error midway
+    Every result is computed before anything is written (run eagerly, an error midway
     leaves the operands as they were)."""
     g = _load(grad)
     if maximize:
@@ -64,17 +63,13 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if max_exp_avg_sq is not None:
         max_exp_avg_sq.copy_(vmax)
     param.copy_(p)
-    if stage:
-        grad.copy_(p)
 
 
 def sgd_update(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None,
-               s: torch.Tensor, *, decay: bool, nesterov: bool, maximize: bool,
-               stage: bool) -> None:
-    """SGD on one tensor (torch's ``_single_tensor_sgd``); ``stage`` as for
-    :func:`adamw_update`.  The first step passes a zero ``buf`` and a dampening weight of
-    1, which makes the buffer the gradient exactly, as torch starts it.  (A kernel output
-    equal to an input it also overwrites is miscompiled: the copy reads the new value.)"""
+               s: torch.Tensor, *, decay: bool, nesterov: bool, maximize: bool) -> None:
+    """SGD on one tensor (torch's ``_single_tensor_sgd``).  The first step passes a zero
+    ``buf`` and a dampening weight of 1, which makes the buffer the gradient exactly, as
+    torch starts it."""
     g = _load(grad)
     if maximize:
         g = -g
@@ -89,8 +84,6 @@ def sgd_update(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None
     if buf is not None:
         buf.copy_(b)
     param.copy_(p)
-    if stage:
-        grad.copy_(p)
 
 
 _compiled: dict[tuple, Callable[..., None]] = {}

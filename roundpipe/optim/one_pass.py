@@ -3,10 +3,10 @@ that updates them in one pass over host memory.
 
 For each parameter the optimizer handles itself (a pipe's master, or any CPU parameter
 when ``state_dtype`` is set) a step reads the gradient where it landed (in the model's
-dtype, in the download buffer, unless something materialised ``p.grad``), updates master
-and moments, and writes the new low-precision weight into that same buffer for the next
-publish (runtime/masters.py).  Every other parameter is stepped by torch's own
-implementation, so plain parameters behave exactly as with ``torch.optim``.
+dtype, in the download buffer, unless something materialised ``p.grad``) and updates
+master and moments in one compiled pass (runtime/masters.py).  Every other parameter is
+stepped by torch's own implementation, so plain parameters behave exactly as with
+``torch.optim``.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class OnePass:
 
     def _step_one(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         owner = owner_of(p)
-        buffer = owner[0].take(owner[1]) if owner is not None else None
+        buffer = owner[0].peek(owner[1]) if owner is not None else None
         grad = buffer if buffer is not None else raw_grad(p)
         if grad is None:
             return
@@ -125,24 +125,12 @@ class OnePass:
             raise OptimizerError(f"{type(self).__name__} got a gradient of shape "
                                  f"{tuple(grad.shape)} (sparse={grad.is_sparse}) for a "
                                  f"parameter of shape {tuple(p.shape)}")
-        # The new weight goes into the landing buffer, which then holds what publishing
-        # would write (runtime/masters.py).  Only for contiguous storage: the kernels run
-        # on 1-D views.
-        out = buffer if buffer is not None and _flat_ok(p, buffer) else None
-        try:
-            self._update(p, grad, out, group, self.state[p])  # type: ignore[attr-defined]
-        except BaseException:
-            if owner is not None and buffer is not None:
-                owner[0].release(buffer)
-            raise
-        if owner is not None and buffer is not None:
-            if out is not None:
-                owner[0].stage(owner[1], buffer, p)
-            else:
-                owner[0].release(buffer)
+        # The gradient stays held (as a .grad would) until zero_grad.  The new weight is
+        # not staged for publishing (runtime/masters.py says why).
+        self._update(p, grad, group, self.state[p])  # type: ignore[attr-defined]
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
-                group: dict[str, Any], state: dict[str, Any]) -> None:
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
+                state: dict[str, Any]) -> None:
         raise NotImplementedError
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -166,10 +154,11 @@ class OnePass:
             for group in self.param_groups:  # type: ignore[attr-defined]
                 for p in group["params"]:
                     owner = owner_of(p)
-                    if owner is not None:
-                        owner[0].discard(owner[1])
+                    held = owner is not None and owner[0].discard(owner[1])
                     grad = raw_grad(p)
                     if grad is None:
+                        if held and not set_to_none:  # torch keeps a zero gradient
+                            set_raw_grad(p, torch.zeros_like(p))
                         continue
                     if set_to_none:
                         set_raw_grad(p, None)
@@ -181,9 +170,29 @@ class OnePass:
                         grad.zero_()
         landed = self._landed_bindings()
         if landed and not landed[0].on_step_thread():
-            landed[0].serial(zero)
-        else:
-            zero()
+            try:
+                landed[0].serial(zero)
+                return
+            except RuntimeError:  # the pipe was closed: no step can be pending
+                pass
+        zero()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # type: ignore[misc]
+        state["state_dtype"] = self.state_dtype
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state_dtype = state.pop("state_dtype", None)
+        super().__setstate__(state)  # type: ignore[misc]
+        self._init_one_pass(state_dtype)
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            for p in group["params"]:
+                owner = owner_of(p)
+                if owner is not None:
+                    owner[0].bind(owner[1])
+                    self._bindings.append(owner)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
@@ -194,10 +203,6 @@ class OnePass:
                     if key != "step" and isinstance(value, torch.Tensor) and \
                             value.is_floating_point():
                         state[key] = value.to(self.state_dtype or p.dtype).contiguous()
-
-
-def _flat_ok(*tensors: torch.Tensor) -> bool:
-    return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
 
 
 def flat(t: torch.Tensor | None) -> torch.Tensor | None:

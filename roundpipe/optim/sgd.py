@@ -15,7 +15,7 @@ class SGD(OnePass, torch.optim.SGD):
     """``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize) with
     the same arguments, param groups, ``state_dict`` and LR-scheduler support.  Given
     ``pipe.optim_parameters()`` each step reads every master's gradient where it landed
-    and writes master, momentum and the model's low-precision weight in the same pass.
+    (no fp32 ``.grad``) and writes master and momentum in the same pass.
     Plain parameters are stepped by torch's own SGD.  ``state_dtype``: the momentum
     buffer's dtype (default float32)."""
 
@@ -26,7 +26,7 @@ class SGD(OnePass, torch.optim.SGD):
         super().__init__(params, *args, **kwargs)
         self._init_one_pass(state_dtype)
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
+    def _update(self, p: torch.Tensor, grad: torch.Tensor,
                 group: dict[str, Any], state: dict[str, Any]) -> None:
         momentum = float(group["momentum"])
         buf = state.get("momentum_buffer") if momentum != 0 else None
@@ -38,7 +38,7 @@ class SGD(OnePass, torch.optim.SGD):
         s = torch.tensor([wd, momentum, damp, -float(group["lr"])], dtype=torch.float32)
         operands = [p, grad, buf]
         flags = dict(decay=wd != 0, nesterov=bool(group["nesterov"]),
-                     maximize=bool(group["maximize"]), stage=out is not None)
+                     maximize=bool(group["maximize"]))
         if all(t is None or t.is_contiguous() for t in operands):
             operands = [flat(t) for t in operands]
             key = tuple(None if t is None else t.dtype for t in operands) + \

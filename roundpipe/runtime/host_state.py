@@ -100,8 +100,8 @@ class ModelState:
         # use (set by HostState), so the first units' fences open first.
         self.publish_groups: list[tuple[str, ...]] = [tuple(self._params)]
         self.registered: list[object] = []  # storages page-locked in place (pin "register")
-        # Gradients kept in the model's dtype for masters a one-pass optimizer binds, and
-        # the weights its steps staged (runtime/masters.py).
+        # Gradients kept in the model's dtype for masters a one-pass optimizer binds
+        # (runtime/masters.py).
         self.landed = LandedGrads()
 
     @property
@@ -156,11 +156,7 @@ class ModelState:
                         self.fences.record("publish_begin", name, version)
                         master = self._masters.get(name)
                         if master is not None:
-                            staged = self.landed.pop_staged(name, master)
-                            # A staged weight is the master rounded by the step that wrote
-                            # it: the same bytes, read at half the cost.
-                            self._params[name].copy_(master if staged is None else staged)
-                            self.landed.release(staged)
+                            self._params[name].copy_(master)
                         self.fences.record("publish_end", name, version)
                     done.update(group)
                     self.fences.publish(group, version)
@@ -170,14 +166,12 @@ class ModelState:
     def reset_masters_to_weights(self) -> None:
         """Make the masters equal the published weights (after a failed step)."""
         with self._lock, torch.no_grad():
-            self.landed.drop_staged()
             for name, master in self._masters.items():
                 master.copy_(self._params[name])
             self._dirty = False
 
     def load_masters(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set masters from ``values`` exactly (their weights follow at the next publish)."""
-        self.landed.drop_staged()
         with torch.no_grad():
             for name, value in values.items():
                 if name in self._params and self._params[name].requires_grad and \
@@ -198,7 +192,6 @@ class ModelState:
         reuses while it is held: a master a one-pass optimizer binds keeps it as is.
         """
         landed = self.landed
-        landed.check_not_consumed(list(grads))
         with torch.no_grad():
             for name, contributions in grads.items():
                 master = self.master(name)

@@ -2,19 +2,21 @@
 
 A one-pass optimizer (``roundpipe.optim``) *binds* masters.  For a bound master, a call's
 gradient (one contribution, nothing to add it to) is kept as the download buffer itself, in
-the model's dtype: no full-precision copy is made.  The optimizer's step reads it, updates
-the master and its moments, and writes the new low-precision weight into the same buffer
-(*staged*); the next publish copies that into the model weight instead of converting the
-master again.  Every byte is then read or written once per step (issue 17).
+the model's dtype: no full-precision copy is made, and the step reads it there.  Like a
+``.grad`` it is held until ``zero_grad()`` (or an assignment to ``p.grad``); while held, no
+download reuses the buffer (:meth:`LandedGrads.busy`), so the next call lands into a second
+one.
 
-``p.grad`` stays truthful.  Reading it converts a landed gradient into an ordinary
-full-precision ``.grad`` (which the step then reads: slower, same result).  Once a step
-consumed a landed gradient its buffer holds weights, so reading ``p.grad`` raises
-:class:`GradConsumedError` until ``zero_grad()`` or an assignment.
+``p.grad`` stays truthful: reading it converts a held gradient into an ordinary
+full-precision ``.grad`` (which the step then reads: slower, same result), so code that
+reads or edits gradients (clipping, a GradScaler) works unchanged.
 
-Every state change happens under one lock; the buffers themselves are only read or written
-by the commit, the step and the publish, which all run on the optimizer thread, and by
-the downloads, which never pick a buffer that is :meth:`LandedGrads.busy`.
+The new weight is not staged into the landing buffer for publishing: a write to the master
+through ``.data`` after the step bumps no version counter, so a staged copy could not be
+known to be stale.
+
+Every state change happens under one lock; the commit, the step and the publish run on
+the optimizer thread.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from typing import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import GradConsumedError
 
 _RAW_GRAD = torch.Tensor.grad  # the C++ slot, under the Python property below
 
@@ -79,15 +80,13 @@ def owner_of(t: torch.Tensor) -> tuple[LandedGrads, str] | None:
 
 
 class LandedGrads:
-    """The low-precision gradients held for bound masters, and the staged weights."""
+    """The low-precision gradients held for bound masters."""
 
     def __init__(self, serial: Callable[[Callable[[], object]], object] | None = None
                  ) -> None:
         self._lock = threading.Lock()
         self._bound: Counter[str] = Counter()
         self._landed: dict[str, torch.Tensor] = {}   # name -> pending gradient
-        self._staged: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (weight, version)
-        self._consumed: set[str] = set()
         self._busy: dict[int, torch.Tensor] = {}   # id -> buffer no download may reuse
         # Runs a function on the thread that commits, steps and publishes (the pipe's
         # optimizer thread), after the steps already enqueued.
@@ -115,20 +114,9 @@ class LandedGrads:
 
     # --- the landing --------------------------------------------------------------------
     def busy(self, buffer: torch.Tensor) -> bool:
-        """Whether ``buffer`` holds a pending gradient or a staged weight."""
+        """Whether ``buffer`` holds a pending gradient."""
         with self._lock:
             return id(buffer) in self._busy
-
-    def check_not_consumed(self, names: list[str]) -> None:
-        with self._lock:
-            consumed = sorted(n for n in names if n in self._consumed)
-        if consumed:
-            raise GradConsumedError(
-                f"{len(consumed)} parameter(s) (first: {consumed[0]!r}) would accumulate a "
-                "new gradient onto one the last optimizer step consumed (a "
-                "roundpipe.optim step writes the new weights into the gradient's landing "
-                "buffer, so it cannot be added to). Call opt.zero_grad() after "
-                "opt.step(), as in pipe.step(lambda: (opt.step(), opt.zero_grad()))")
 
     def hold(self, name: str, buffer: torch.Tensor) -> None:
         """Keep ``buffer`` (a call's only contribution) as ``name``'s gradient."""
@@ -138,7 +126,7 @@ class LandedGrads:
             self._landed[name] = buffer
             self._busy[id(buffer)] = buffer
 
-    def pop_landed(self, name: str) -> torch.Tensor | None:
+    def pop_landed(self, name: str) -> torch.Tensor | None:  # noqa: D401
         """Remove ``name``'s pending gradient; the caller must :meth:`release` it."""
         with self._lock:
             return self._landed.pop(name, None)
@@ -153,52 +141,16 @@ class LandedGrads:
                 self._busy.pop(id(buffer), None)
 
     # --- the step -------------------------------------------------------------------------
-    def take(self, name: str) -> torch.Tensor | None:
-        """The step takes ``name``'s pending gradient; afterwards it must :meth:`stage` or
-        :meth:`release` the buffer."""
+    def peek(self, name: str) -> torch.Tensor | None:
+        """``name``'s pending gradient, left held: as with a ``.grad``, it stays until
+        ``zero_grad()`` (a second step applies it again, as torch's would)."""
         with self._lock:
-            buffer = self._landed.pop(name, None)
-            if buffer is not None:
-                self._consumed.add(name)
-            return buffer
-
-    def stage(self, name: str, buffer: torch.Tensor, master: torch.Tensor) -> None:
-        """``buffer`` now holds ``master`` rounded to the model's dtype."""
-        with self._lock:
-            old = self._staged.pop(name, None)
-            if old is not None and old[0] is not buffer:
-                self._busy.pop(id(old[0]), None)
-            self._staged[name] = (buffer, master._version)
-
-    def pop_staged(self, name: str, master: torch.Tensor) -> torch.Tensor | None:
-        """The staged weight of ``name`` if ``master`` was not written since, else None;
-        the caller must :meth:`release` what it gets."""
-        with self._lock:
-            staged = self._staged.pop(name, None)
-            if staged is None:
-                return None
-            if staged[1] != master._version:  # written after the step: publish the master
-                self._busy.pop(id(staged[0]), None)
-                return None
-            return staged[0]
-
-    def drop_staged(self) -> None:
-        """Forget every staged weight (the masters were reset or loaded)."""
-        with self._lock:
-            for buffer, _ in self._staged.values():
-                self._busy.pop(id(buffer), None)
-            self._staged.clear()
+            return self._landed.get(name)
 
     # --- what p.grad sees -----------------------------------------------------------------
     def materialize(self, name: str, master: torch.Tensor) -> None:
         """Turn a landed gradient into ``master``'s full-precision ``.grad``."""
         with self._lock:
-            if name in self._consumed:
-                raise GradConsumedError(
-                    f"the gradient of {name!r} was consumed by a roundpipe.optim step: its "
-                    "landing buffer now holds the new weights. Read p.grad before "
-                    "opt.step() (that keeps a full-precision .grad, 4 more bytes per "
-                    "parameter), and call opt.zero_grad() after it")
             buffer = self._landed.pop(name, None)
             if buffer is None:
                 return
@@ -208,15 +160,15 @@ class LandedGrads:
             finally:
                 self._busy.pop(id(buffer), None)
 
-    def discard(self, name: str) -> None:
-        """``name``'s gradient was set to None or replaced."""
+    def discard(self, name: str) -> bool:
+        """``name``'s gradient was set to None or replaced; whether one was held."""
         with self._lock:
             buffer = self._landed.pop(name, None)
             if buffer is not None:
                 self._busy.pop(id(buffer), None)
-            self._consumed.discard(name)
+            return buffer is not None
 
     def tensors(self) -> list[torch.Tensor]:
-        """The buffers held (pending gradients and staged weights), for accounting."""
+        """The buffers held (pending gradients), for accounting."""
         with self._lock:
             return list(self._busy.values())
