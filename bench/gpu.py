@@ -170,8 +170,8 @@ def rss_bytes() -> int:
 
 
 def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: int,
-                   steps: int, pin_memory: str = "alloc", compile_units: bool = False
-                   ) -> dict[str, float]:
+                   steps: int, pin_memory: str = "alloc", compile_units: bool = False,
+                   devices: list[str] | None = None) -> dict[str, float]:
     import roundpipe
     from roundpipe import RoundPipeRunConfig
     x = torch.randint(0, vocab, (batch, seq))
@@ -179,7 +179,7 @@ def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: i
     rss0 = rss_bytes()
     t0 = time.perf_counter()
     pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32, pin_memory=pin_memory,
-                             compile_units=compile_units,
+                             compile_units=compile_units, devices=devices,
                              model_run_config=RoundPipeRunConfig(num_microbatch=num_mb))
     compile_s = time.perf_counter() - t0  # tracing, planning and pinning
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-4)
@@ -282,7 +282,27 @@ def fsdp2_offload_step(model: nn.Module, batch: int, seq: int, vocab: int, steps
     return timed_training(model, batch, seq, vocab, steps)
 
 
-SECTIONS = ("machine", "pinning", "sweep", "capped", "fits", "compiled", "largest")
+def logical_devices_agree(vocab: int, count: int) -> bool:
+    """One call on ``["cuda:0"]`` against ``["cuda:0"] * count``: loss and every master's
+    gradient bit for bit."""
+    import roundpipe
+    from roundpipe import RoundPipeRunConfig
+    x = torch.randint(0, vocab, (8, 2048), generator=torch.Generator().manual_seed(1))
+    results = []
+    for devices in (["cuda:0"], ["cuda:0"] * count):
+        torch.manual_seed(0)
+        model = Llama(vocab, 512, 4, 4, 1408).to(torch.bfloat16)
+        pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32, devices=devices,
+                                 model_run_config=RoundPipeRunConfig(num_microbatch=4))
+        loss = pipe.forward_backward(input_args=(x,), label=x, loss_fn=lm_loss)
+        results.append((loss, [p.grad.clone() for p in pipe.optim_parameters()]))
+        pipe.close()
+    (l1, g1), (l2, g2) = results
+    return bool(torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2)))
+
+
+SECTIONS = ("machine", "pinning", "sweep", "capped", "fits", "compiled", "logical", "fsdp3b",
+            "largest")
 
 
 def main() -> int:
@@ -422,7 +442,7 @@ def main() -> int:
         # compile_units: the unit programs through inductor, against the traced programs,
         # on the model that fits (launch-bound at 2,048 tokens per microbatch) and at 8,192.
         rows = []
-        for tokens in (2048, 8192):
+        for tokens in (2048, 8192, 16384):
             num_mb = torch.cuda.device_count() + 1
             batch = max(num_mb, tokens * num_mb // 2048)
             row: dict[str, Any] = {"tokens_per_microbatch": tokens}
@@ -439,6 +459,44 @@ def main() -> int:
                          else f"{r['compiled']['busy_fraction']:.2f}"] for r in rows],
                        headers=["tokens/mb", "traced tok/s", "compile_units tok/s",
                                 "GPU busy (compiled)"]))
+
+    if "logical" in sections:
+        # Two logical devices on one GPU: the multi-device schedule on real hardware.
+        agree = attempt(lambda: logical_devices_agree(vocab, 2))
+        rows = []
+        for devices in (["cuda:0"], ["cuda:0"] * 2):
+            model = Llama(vocab, 1024, 12, 8, 2816).to(torch.bfloat16)
+            r = attempt(lambda: roundpipe_step(model, 8, 2048, vocab, len(devices) + 1, steps,
+                                               devices=devices))
+            del model
+            release_memory()
+            rows.append({"devices": devices, **({"error": r} if isinstance(r, str) else r)})
+        save("logical", {"bitwise_equal": agree, "runs": rows})
+        print(f"two logical devices on cuda:0 bitwise equal to one: {agree}")
+        print(tabulate([[len(r["devices"]), r.get("error") or f"{r['tokens_per_s']:,.0f}",
+                         r.get("stages")] for r in rows],
+                       headers=["logical devices", "tokens/s", "stages"]))
+
+    if "fsdp3b" in sections:
+        # The closest peer on a model that does not fit eagerly: FSDP2 with CPU offload
+        # (whole GPU, no cap) against roundpipe (24 GiB cap), same 16,384 tokens per step.
+        shape = (3072, 26, 24, 8192)
+        model = Llama(vocab, *shape).to(torch.bfloat16)
+        n = sum(p.numel() for p in model.parameters())
+        f = attempt(lambda: fsdp2_offload_step(model, 8, 2048, vocab, 3))
+        del model
+        release_memory()
+        torch.cuda.set_per_process_memory_fraction(cap, 0)
+        model = Llama(vocab, *shape).to(torch.bfloat16)
+        r = attempt(lambda: roundpipe_step(model, 8, 2048, vocab,
+                                           torch.cuda.device_count() + 1, 3))
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        del model
+        release_memory()
+        save("fsdp3b", {"params": n, "fsdp2_cpu_offload": f, "roundpipe": r})
+        print(tabulate([[f"{n / 1e9:.2f} B", cell(f), cell(r)]],
+                       headers=["model", "FSDP2 + CPUOffload tok/s (no cap)",
+                                "roundpipe tok/s (24 GiB cap)"]))
 
     if "largest" in sections:
         torch.cuda.set_per_process_memory_fraction(cap, 0)

@@ -95,7 +95,10 @@ class RoundPipe:
         model_run_config: defaults for every call (see :class:`RoundPipeRunConfig`).
         devices: ``None`` (every visible CUDA device, else one CPU device; the environment
             variable ``ROUNDPIPE_DEVICES=cpu,cpu`` overrides), or a list such as
-            ``["cpu"] * 4`` (virtual CPU devices) or ``["cuda:0", "cuda:1"]``.
+            ``["cpu"] * 4`` (virtual CPU devices) or ``["cuda:0", "cuda:1"]``.  A GPU
+            named twice (``["cuda:0"] * 2``) gives two logical devices on it, each with its
+            own threads and streams and half its free memory: the multi-device schedule
+            on one GPU, for testing (no faster than one device).
         memory_cap: bytes a stage may use on a device.  Default: half of
             ``memory_fraction`` of the smallest device's free memory (current + prefetched
             stage must fit), unlimited for virtual CPU devices without a capacity.

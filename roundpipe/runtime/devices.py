@@ -365,9 +365,14 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
     #: weight copies larger than this are issued in chunks of this size
     chunk_bytes = 64 * 2**20
 
-    def __init__(self, index: int) -> None:
-        super().__init__(f"cuda:{index}", torch.device("cuda", index), None)
+    def __init__(self, index: int, share: int = 0, shares: int = 1) -> None:
+        # ``shares`` > 1: one of several logical devices on one GPU (``["cuda:0"] * 2``),
+        # each with its own threads and streams; the only way to run the multi-device
+        # schedule on real hardware with one GPU.  They split its free memory evenly.
+        name = f"cuda:{index}" if shares == 1 else f"cuda:{index}#{share}"
+        super().__init__(name, torch.device("cuda", index), None)
         self.index = index
+        self.shares = shares
         self._streams = {
             "compute": torch.cuda.Stream(self.torch_device),
             "weights": torch.cuda.Stream(self.torch_device),
@@ -389,7 +394,7 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
         cached = torch.cuda.memory_reserved(self.torch_device) - allocated
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch>=2.6
         limit = (fraction(self.torch_device) if fraction is not None else 1.0) * total
-        return max(0, int(min(free + cached, limit - allocated)))
+        return max(0, int(min(free + cached, limit - allocated))) // self.shares
 
     def _weight_stream(self) -> Any:
         return self._streams["weights"]
@@ -486,6 +491,14 @@ def parse_bytes(value: int | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def _cuda_index(spec: str | torch.device) -> int | None:
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError):
+        return None
+    return (dev.index or 0) if dev.type == "cuda" else None
+
+
 def resolve_devices(devices: Sequence[str | torch.device] | None,
                     device_memory: int | str | None = None) -> list[Device]:
     """Build the device pool.
@@ -513,6 +526,7 @@ def resolve_devices(devices: Sequence[str | torch.device] | None,
                            else os.environ.get("ROUNDPIPE_VIRTUAL_MEMORY") or None)
     pool: list[Device] = []
     cpu_count = 0
+    cuda_indices = [_cuda_index(spec) for spec in devices]
     for spec in devices:
         try:
             dev = torch.device(spec)
@@ -535,7 +549,9 @@ def resolve_devices(devices: Sequence[str | torch.device] | None,
                 raise ConfigError(
                     f"device {spec!r} requested but only {torch.cuda.device_count()} CUDA "
                     "device(s) are visible")
-            pool.append(CUDADevice(index))
+            shares = cuda_indices.count(index)
+            share = cuda_indices[:len(pool)].count(index)
+            pool.append(CUDADevice(index, share, shares))
         else:
             raise ConfigError(f"device type {dev.type!r} is not supported; use 'cpu' or 'cuda'")
     kinds = {d.kind for d in pool}
