@@ -79,7 +79,6 @@ def run_one(kind: str, shape: tuple[int, int, int, int], args, peak_tflops: floa
             ) -> dict:
     import roundpipe
     from roundpipe import RoundPipeRunConfig
-    from roundpipe.optim import kernels
     vocab = 32000
     torch.manual_seed(0)
     rss0 = proc_status("VmRSS")
@@ -139,7 +138,6 @@ def run_one(kind: str, shape: tuple[int, int, int, int], args, peak_tflops: floa
             "rss_growth_GiB": (proc_status("VmRSS") - rss0) / GiB,
             "rss_GiB": proc_status("VmRSS") / GiB, "rss_peak_GiB": proc_status("VmHWM") / GiB,
             "gpu_peak_GiB": torch.cuda.max_memory_allocated() / GiB,
-            "kernels_compiled": not kernels._eager_only() and not kernels._failed,
         }
         if peak_tflops:
             row["mfu"] = tokens / t_both * flops_tok / (peak_tflops * 1e12)
@@ -205,11 +203,10 @@ def main() -> int:
                      f"{r.get('host_step_s_per_B', 0):.2f}",
                      f"{r.get('host_memory_B_per_param', 0):.1f}",
                      f"{r.get('rss_GiB', 0):.1f}/{r.get('rss_peak_GiB', 0):.1f}",
-                     f"{r.get('mfu', 0):.2f}", r.get("stages"), r.get("kernels_compiled")]
+                     f"{r.get('mfu', 0):.2f}", r.get("stages")]
                     for r in rows],
                    headers=["round", "optim", "tok/s", "step ms", "fb ms", "host step ms",
-                            "host s/B", "host B/param", "RSS/peak GiB", "MFU", "stages",
-                            "compiled"]))
+                            "host s/B", "host B/param", "RSS/peak GiB", "MFU", "stages"]))
     return 0
 
 

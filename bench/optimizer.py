@@ -27,7 +27,9 @@ import copy
 import os
 import statistics
 import sys
+import threading
 import time
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -139,30 +141,49 @@ def triad_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
 
 
 def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str):
-    """roundpipe.optim's step on one flat master, as its optimizers run it: the kernel
-    reads the bf16 gradient where it landed; publishing converts the master."""
-    from roundpipe.optim import kernels
-    master = weight.float()
+    """roundpipe.optim's step on one flat master, as its optimizers run it on a pipe's
+    masters (``_update_group``: the fused kernel reads the bf16 gradient where it landed,
+    through cache-sized scratch); publishing converts the master."""
+    import roundpipe.optim
+    master = torch.nn.Parameter(weight.float())
     grad = landed.clone()
     if kind == "sgd":
-        buf = torch.zeros(n)
-        s = torch.tensor([0.0, 0.9, 0.9, -1e-4])
-        key = ("bench-sgd",)
-
-        def update() -> None:
-            kernels.run(kernels.sgd_update, key, master, grad, buf, s, decay=False,
-                        nesterov=False, maximize=False)
+        opt = roundpipe.optim.SGD([master], lr=1e-4, momentum=0.9)
     else:
-        state = torch.float32 if kind == "adamw" else torch.bfloat16
-        m, v = torch.zeros(n, dtype=state), torch.zeros(n, dtype=state)
-        s = torch.tensor([1 - 1e-6, 0.1, 0.999, 0.001, 0.03, 1e-8, -1e-4])
-        key = ("bench-adamw", state)
+        opt = roundpipe.optim.AdamW([master], lr=1e-4, state_dtype=(
+            torch.float32 if kind == "adamw" else torch.bfloat16))
+    group = opt.param_groups[0]
+    return {"refill": lambda: grad.copy_(landed),
+            "update": lambda: opt._update_group(group, [(master, grad)]),
+            "publish": lambda: weight.copy_(master.detach())}
 
-        def update() -> None:
-            kernels.run(kernels.adamw_update, key, master, grad, m, v, None, s, decay=True,
-                        maximize=False)
-    return {"refill": lambda: grad.copy_(landed), "update": update,
-            "publish": lambda: weight.copy_(master)}
+
+def gil_share(fn: Callable[[], object], repeats: int = 3) -> float:
+    """How much Python another thread runs while ``fn`` runs, against while the caller
+    sleeps: near 1 when ``fn`` releases the GIL (torch's kernels), near 0 when it holds it
+    (the pipeline's threads that launch GPU work would stall)."""
+    def count(seconds_or_fn: object) -> float:
+        stop, out = threading.Event(), []
+
+        def spin() -> None:
+            c = 0
+            while not stop.is_set():
+                c += 1
+            out.append(c)
+        thread = threading.Thread(target=spin)
+        thread.start()
+        t = time.perf_counter()
+        if callable(seconds_or_fn):
+            for _ in range(repeats):
+                seconds_or_fn()
+        else:
+            time.sleep(seconds_or_fn)
+        elapsed = time.perf_counter() - t
+        stop.set()
+        thread.join()
+        return out[0] / elapsed
+    busy = count(fn)
+    return busy / count(0.5)
 
 
 def host_step(n: int, repeats: int) -> None:
@@ -190,6 +211,7 @@ def host_step(n: int, repeats: int) -> None:
             work["refill"]()
             work["update"]()
         paths[label] = work
+    gil = {label: gil_share(work["update"]) for label, work in paths.items()}
     times: dict[str, dict[str, list[float]]] = {k: {} for k in paths}
     for _ in range(repeats):
         for label, work in paths.items():
@@ -215,12 +237,14 @@ def host_step(n: int, repeats: int) -> None:
         roofline = bytes_per_param[label] * 1e9 / bandwidth
         rows.append([label, f"{med.get('landing', 0.0):.2f}", f"{med['update']:.2f}",
                      f"{med['publish']:.2f}", f"{total:.2f}", f"{roofline:.2f}",
-                     f"{roofline / total:.2f}", f"{old_total / total:.2f}"])
+                     f"{roofline / total:.2f}", f"{old_total / total:.2f}",
+                     f"{gil[label]:.2f}"])
     print(f"host step, bf16 model with fp32 masters, {n / 1e6:.1f} M parameters, triad "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s with {torch.get_num_threads()} threads, "
           f"median of {repeats}, seconds per billion parameters")
     print(tabulate(rows, headers=["path", "landing", "update", "publish", "total",
-                                  "roofline", "roofline / total", "speed-up vs torch"]))
+                                  "roofline", "roofline / total", "speed-up vs torch",
+                                  "other thread's Python during update"]))
 
 
 def grad_landing(n: int, repeats: int) -> None:

@@ -4,7 +4,7 @@ that updates them in one pass over host memory.
 For each parameter the optimizer handles itself (a pipe's master, or any CPU parameter
 when ``state_dtype`` is set) a step reads the gradient where it landed (in the model's
 dtype, in the download buffer, unless something materialised ``p.grad``) and updates
-master and moments in one compiled pass (runtime/masters.py).  Every other parameter is
+master and moments in one pass of torch's fused kernels (kernels.py, runtime/masters.py).  Every other parameter is
 stepped by torch's own implementation, so plain parameters behave exactly as with
 ``torch.optim``.
 """
@@ -19,6 +19,7 @@ import torch
 
 from ..errors import OptimizerError
 from ..runtime.masters import LandedGrads, owner_of, raw_grad, set_raw_grad
+from . import kernels
 
 
 def _unwrapped_step(cls: type) -> Callable[..., Any]:
@@ -92,10 +93,13 @@ class OnePass:
                     f"{type(self).__name__}.step() updates a pipe's masters only inside "
                     "the pipe's step_fn, where their weights are published afterwards: "
                     "pipe.step(lambda: (opt.step(), opt.zero_grad()))")
+        # Every gradient is found and checked before anything is written.
+        work = [[(p, grad) for p in params if (grad := self._grad_of(p)) is not None]
+                for params in mine]
         self._torch_step_without(mine)
-        for g, params in zip(groups, mine):
-            for p in params:
-                self._step_one(p, g)
+        for g, pairs in zip(groups, work):
+            if pairs:
+                self._update_group(g, pairs)
         return loss
 
     def _torch_step_without(self, mine: list[list[torch.Tensor]]) -> None:
@@ -115,23 +119,28 @@ class OnePass:
             for g, k in zip(groups, kept):
                 g["params"] = k
 
-    def _step_one(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient a step reads: held where it landed (a master's, in the model's
+        dtype) or ``.grad``.  It stays held, as a ``.grad`` would, until zero_grad."""
         owner = owner_of(p)
         buffer = owner[0].peek(owner[1]) if owner is not None else None
         grad = buffer if buffer is not None else raw_grad(p)
-        if grad is None:
-            return
-        if grad.is_sparse or grad.shape != p.shape:
+        if grad is not None and (grad.is_sparse or grad.shape != p.shape):
             raise OptimizerError(f"{type(self).__name__} got a gradient of shape "
                                  f"{tuple(grad.shape)} (sparse={grad.is_sparse}) for a "
                                  f"parameter of shape {tuple(p.shape)}")
-        # The gradient stays held (as a .grad would) until zero_grad.  The new weight is
-        # not staged for publishing (runtime/masters.py says why).
-        self._update(p, grad, group, self.state[p])  # type: ignore[attr-defined]
+        return grad
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any],
-                state: dict[str, Any]) -> None:
+    def _update_group(self, group: dict[str, Any],
+                      pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Update every ``(parameter, gradient)`` of ``group`` (kernels.run_chunked)."""
         raise NotImplementedError
+
+    def _scratch(self) -> kernels.Scratch:
+        scratch = self.__dict__.get("_scratch_buffers")
+        if scratch is None:
+            scratch = self.__dict__["_scratch_buffers"] = kernels.Scratch()
+        return scratch
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Hyperparameters checked before anything is written (a raising step changes
@@ -141,7 +150,7 @@ class OnePass:
             raise OptimizerError(f"lr must be a finite number >= 0, got {group['lr']!r}")
         if group.get("differentiable"):
             raise OptimizerError("differentiable=True is not supported by roundpipe.optim's "
-                                 "one-pass kernels; use torch.optim for it")
+                                 "fused kernels; use torch.optim for it")
 
     def _moment(self, p: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(p, dtype=self.state_dtype or p.dtype,
@@ -205,16 +214,10 @@ class OnePass:
                         state[key] = value.to(self.state_dtype or p.dtype).contiguous()
 
 
-def flat(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A 1-D alias of ``t`` with no autograd identity (the compiler inspects a view's
-    base, and a master's ``.grad`` must not be read on the way)."""
-    return None if t is None else t.detach().view(-1)
-
-
-def step_count(state: dict[str, Any]) -> float:
-    """Advance and return the step count, kept as torch keeps it (a float32 tensor)."""
+def advance_step(state: dict[str, Any]) -> torch.Tensor:
+    """Advance the step count, kept as torch keeps it (a float32 tensor), and return it
+    (the fused kernels read it)."""
     if "step" not in state:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
     state["step"] += 1
-    return float(state["step"].item())
-
+    return state["step"]

@@ -8,14 +8,15 @@ from typing import Any
 import torch
 
 from . import kernels
-from .one_pass import OnePass, flat
+from .one_pass import OnePass
 
 
 class SGD(OnePass, torch.optim.SGD):
     """``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize) with
     the same arguments, param groups, ``state_dict`` and LR-scheduler support.  Given
     ``pipe.optim_parameters()`` each step reads every master's gradient where it landed
-    (no fp32 ``.grad``) and writes master and momentum in the same pass.
+    (no fp32 ``.grad``) and writes master and momentum in the same pass, through torch's
+    fused SGD kernel (equal to ``torch.optim.SGD(fused=True)`` bit for bit).
     Plain parameters are stepped by torch's own SGD.  ``state_dtype``: the momentum
     buffer's dtype (default float32)."""
 
@@ -26,23 +27,31 @@ class SGD(OnePass, torch.optim.SGD):
         super().__init__(params, *args, **kwargs)
         self._init_one_pass(state_dtype)
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor,
-                group: dict[str, Any], state: dict[str, Any]) -> None:
+    def _update_group(self, group: dict[str, Any],
+                      pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         momentum = float(group["momentum"])
-        buf = state.get("momentum_buffer") if momentum != 0 else None
-        first = momentum != 0 and buf is None
-        if first:
-            buf = state["momentum_buffer"] = self._moment(p)
-        wd = float(group["weight_decay"])
-        damp = 1.0 if first else 1 - float(group["dampening"])  # see kernels.sgd_update
-        s = torch.tensor([wd, momentum, damp, -float(group["lr"])], dtype=torch.float32)
-        operands = [p, grad, buf]
-        flags = dict(decay=wd != 0, nesterov=bool(group["nesterov"]),
-                     maximize=bool(group["maximize"]))
-        if all(t is None or t.is_contiguous() for t in operands):
-            operands = [flat(t) for t in operands]
-            key = tuple(None if t is None else t.dtype for t in operands) + \
-                tuple(flags.values())
-            kernels.run(kernels.sgd_update, key, *operands, s, **flags)
-        else:
-            kernels.sgd_update(*operands, s, **flags)
+        hyper = dict(weight_decay=float(group["weight_decay"]), momentum=momentum,
+                     lr=float(group["lr"]), dampening=float(group["dampening"]),
+                     nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]))
+        # The fused kernel starts every buffer of a call (buffer = gradient) or none.
+        first: list[kernels.Item] = []
+        later: list[kernels.Item] = []
+        for p, grad in pairs:
+            if momentum == 0:
+                later.append(kernels.Item(p, grad, []))
+                continue
+            state = self.state[p]
+            fresh = state.get("momentum_buffer") is None
+            if fresh:
+                state["momentum_buffer"] = self._moment(p)
+            (first if fresh else later).append(
+                kernels.Item(p, grad, [state["momentum_buffer"]]))
+        for items, is_first in ((first, True), (later, False)):
+            if not items:
+                continue
+
+            def fused(params, grads, states, steps, is_first=is_first) -> None:
+                torch._fused_sgd_(params, grads, states[0] if momentum != 0 else [],
+                                  is_first_step=is_first, **hyper)
+
+            kernels.run_chunked(items, 1 if momentum != 0 else 0, fused, self._scratch())
