@@ -4,7 +4,6 @@ against eager kernels, and for what ``p.grad``, failures and checkpoints see."""
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
