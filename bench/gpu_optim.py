@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu import Llama, lm_loss, matmul_rate  # noqa: E402
-from gpu_profile import PHASES, instrument  # noqa: E402
+from gpu_profile import PHASES, instrument, timed  # noqa: E402
 
 GiB = 2**30
 SHAPES = {  # d, layers, heads, ffn (bench/gpu.py's "largest" shapes)
@@ -62,17 +62,6 @@ def make_optimizer(kind: str, params):
     if kind == "rp-bf16":
         return roundpipe.optim.AdamW(params, lr=1e-5, state_dtype=torch.bfloat16)
     raise SystemExit(f"unknown optimizer {kind!r}; choose torch, rp or rp-bf16")
-
-
-def synced(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def run_one(kind: str, shape: tuple[int, int, int, int], args, peak_tflops: float | None
@@ -107,10 +96,10 @@ def run_one(kind: str, shape: tuple[int, int, int, int], args, peak_tflops: floa
             both()
         pipe.synchronize()
         PHASES.clear()
-        t_both = synced(lambda: both(), args.steps)
+        t_both = timed(lambda: both(), args.steps)
         pipe.synchronize()
         phases = {k: statistics.median(v) for k, v in PHASES.items()}
-        t_fb = synced(lambda: (fb(), pipe.synchronize()), 2)
+        t_fb = timed(lambda: (fb(), pipe.synchronize()), 2)
         host_times = []
         for _ in range(3):  # the host step alone: gradients landed, nothing else running
             fb()
