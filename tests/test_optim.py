@@ -498,3 +498,63 @@ def test_settings_that_do_not_apply_are_refused():
             roundpipe.optim.AdamW(pipe.optim_parameters(), differentiable=True)
         with pytest.raises(OptimizerError, match="state_dtype"):
             roundpipe.optim.SGD(pipe.optim_parameters(), state_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_low_precision_parameters_under_sgd_equal_torchs_step(momentum):
+    """torch's fused CPU SGD skips vector blocks of bf16 parameters (2.11-2.13): they take
+    torch's single-tensor step, plain or as a pipe's bf16 masters."""
+    torch.manual_seed(0)
+    a = [nn.Parameter(torch.randn(300).to(torch.bfloat16))]
+    b = [nn.Parameter(a[0].detach().clone())]
+    ours = roundpipe.optim.SGD(a, lr=0.1, momentum=momentum, state_dtype=torch.bfloat16)
+    theirs = torch.optim.SGD(b, lr=0.1, momentum=momentum, foreach=False)
+    for _ in range(3):
+        g = torch.randn(300).to(torch.bfloat16)
+        a[0].grad, b[0].grad = g.clone(), g.clone()
+        ours.step(), theirs.step()
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], a[0].detach() * 0 + 1)
+    masters = []
+    for optimizer in (roundpipe.optim.SGD, torch.optim.SGD):
+        model, x, weight = _branches(torch.bfloat16)
+        with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.bfloat16,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=1)) as pipe:
+            opt = optimizer(pipe.optim_parameters(), lr=0.1, momentum=momentum)
+            for _ in range(3):
+                pipe.forward_backward(input_args=(x,), label=weight,
+                                      loss_fn=lambda out, w: (out * w).sum())
+                pipe.step(lambda: (opt.step(), opt.zero_grad()))
+            pipe.synchronize()
+            masters.append([m.detach().clone() for m in pipe.optim_parameters()])
+    assert all(torch.equal(m, r) for m, r in zip(*masters))
+    start = _branches(torch.bfloat16)[0]
+    assert not all(torch.equal(m, p) for m, p in zip(masters[0], start.parameters()))
+
+
+def test_load_state_dict_keeps_state_dtype_and_bindings():
+    q = nn.Parameter(torch.randn(10))
+    opt = roundpipe.optim.AdamW([q], state_dtype=torch.bfloat16)
+    q.grad = torch.randn(10)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert opt.state_dtype == torch.bfloat16
+    assert opt.state[q]["exp_avg"].dtype == torch.bfloat16
+    with RoundPipe(models.gpt(layers=1)[0], devices=["cpu"], optim_dtype=torch.float32) \
+            as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters())
+        bound = len(opt._bindings)
+        opt.load_state_dict(opt.state_dict())
+        assert len(opt._bindings) == bound
+
+
+def test_complex_parameters_are_stepped_by_torch():
+    torch.manual_seed(0)
+    c = nn.Parameter(torch.randn(8, dtype=torch.complex64))
+    d = nn.Parameter(c.detach().clone())
+    ours = roundpipe.optim.AdamW([c], state_dtype=torch.bfloat16)
+    theirs = torch.optim.AdamW([d])
+    for _ in range(2):
+        g = torch.randn(8, dtype=torch.complex64)
+        c.grad, d.grad = g.clone(), g.clone()
+        ours.step(), theirs.step()
+    assert torch.equal(c, d)

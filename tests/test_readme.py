@@ -23,7 +23,7 @@ def test_the_quick_start_installs_torch_roundpipe_and_the_test_tools_then_runs()
     assert 'pip install -e ".[test]"' in lines  # pytest comes with the test extra
     assert "python examples/train_gpt.py" in lines
     assert os.path.isfile(os.path.join(ROOT, "examples", "train_gpt.py"))
-    assert lines[-1] == "python -m pytest"
+    assert lines[-1] in ("python -m pytest", "python -m pytest -n 2")
 
 
 def test_ci_runs_the_readme_block():
@@ -31,5 +31,6 @@ def test_ci_runs_the_readme_block():
     assert "README.md" in script and "test_command" in script
     extra = open(os.path.join(ROOT, "pyproject.toml")).read()
     test = re.search(r"^test = \[(.*?)\]", extra, re.S | re.M).group(1)
-    for tool in ("pytest", "hypothesis", "tqdm", "numpy"):
+    for tool in ("pytest", "hypothesis", "tqdm", "numpy") + (
+            ("pytest-xdist",) if " -n " in _block()[-1] else ()):
         assert f'"{tool}' in test, tool

@@ -50,7 +50,9 @@ class OnePass:
         self.state_dtype = None if state_dtype == torch.float32 else state_dtype
         if not hasattr(self, "_bindings"):
             self._bindings = []
-        weakref.finalize(self, _unbind, self._bindings)
+        if not getattr(self, "_unbinds", False):  # once: a second would unbind twice
+            weakref.finalize(self, _unbind, self._bindings)
+            self._unbinds = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)  # type: ignore[misc]
@@ -68,8 +70,14 @@ class OnePass:
             owner[0].bind(owner[1])
             self._bindings.append(owner)
 
+    #: parameter dtypes the fused kernel is right for (torch's own step takes the rest)
+    _fused_dtypes: frozenset[torch.dtype] = frozenset(
+        {torch.float32, torch.float64, torch.bfloat16, torch.float16})
+
     def _handles(self, p: torch.Tensor) -> bool:
         """Whether this class's own kernel steps ``p`` (else torch's implementation)."""
+        if p.dtype not in self._fused_dtypes:  # complex ones, say
+            return False
         return owner_of(p) is not None or (self.state_dtype is not None
                                            and p.device.type == "cpu")
 
@@ -193,13 +201,15 @@ class OnePass:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        state_dtype = state.pop("state_dtype", None)
+        # load_state_dict calls this too, with torch's keys only: keep the setting then.
+        state_dtype = state.pop("state_dtype", getattr(self, "state_dtype", None))
         super().__setstate__(state)  # type: ignore[misc]
         self._init_one_pass(state_dtype)
         for group in self.param_groups:  # type: ignore[attr-defined]
             for p in group["params"]:
                 owner = owner_of(p)
-                if owner is not None:
+                if owner is not None and not any(
+                        b[0] is owner[0] and b[1] == owner[1] for b in self._bindings):
                     owner[0].bind(owner[1])
                     self._bindings.append(owner)
 

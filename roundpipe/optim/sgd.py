@@ -21,6 +21,9 @@ class SGD(OnePass, torch.optim.SGD):
     buffer's dtype (default float32)."""
 
     _torch_base = torch.optim.SGD
+    # torch 2.11-2.13's fused CPU SGD skips whole vector blocks of bf16/fp16 parameters
+    # (pytorch/pytorch#191763): those go through torch's single-tensor SGD.
+    _fused_dtypes = frozenset({torch.float32, torch.float64})
 
     def __init__(self, params: Any, *args: Any, state_dtype: torch.dtype | None = None,
                  **kwargs: Any) -> None:
