@@ -31,7 +31,7 @@ from .runtime.call import autocast_state, memory_cap, microbatch_keys
 from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
-from .runtime.grad_landing import GradLanding
+from .runtime.grad_landing import LANDING_BUFFERS, GradLanding
 from .runtime.masters import raw_grad
 from .runtime.host_memory import DeviceCopies, HostMemory, host_memory
 from .runtime.host_state import HostState, ModelState
@@ -132,6 +132,14 @@ class RoundPipe:
             with small microbatches.  Keyed random ops (dropout) run uncompiled between
             a unit's compiled pieces, with the same masks.  Each unit compiles on its
             first call on each device.
+        landing_buffers: with a ``roundpipe.optim`` optimizer a gradient stays in the
+            buffer it was downloaded into until ``zero_grad()``.  When the next call's
+            gradient lands while the asynchronous step still reads the last one, ``2``
+            lands it into a second buffer (kept for later calls: one more set of
+            gradients in the model's dtype, 2 bytes per bf16 parameter), ``1`` makes
+            that download wait for the step (the device waits too, so the step's tail
+            no longer overlaps the backward).  ``"auto"`` (default): 2 while the host
+            keeps 10% of its memory available after the allocation, else 1.
 
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.
@@ -159,6 +167,7 @@ class RoundPipe:
         data_parallel: bool | DataParallelConfig | None = None,
         share_blocks: bool = True,
         compile_units: bool | str = False,
+        landing_buffers: int | str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -196,6 +205,9 @@ class RoundPipe:
         if pin_memory not in PIN_MODES:
             raise ConfigError(f"pin_memory must be one of {PIN_MODES}, got {pin_memory!r}")
         self.pin_memory = pin_memory
+        if landing_buffers not in LANDING_BUFFERS or isinstance(landing_buffers, bool):
+            raise ConfigError(f"landing_buffers must be one of {LANDING_BUFFERS}, got "
+                              f"{landing_buffers!r}")
         self.num_stages = num_stages
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self._dp = DataParallel.create(data_parallel)
@@ -207,7 +219,7 @@ class RoundPipe:
         self._compiled: list[_Compiled] = []
         # Gradient download buffers, shared by every program's executor (see Executor).
         self._landing = GradLanding(steps=self._optimizer.pending_steps,
-                                    busy=self._state.landed.busy)
+                                    busy=self._state.landed.busy, sets=landing_buffers)
         self._state.landed.serial = self._optimizer.run
         self._state.landed.on_step_thread = lambda: self._optimizer.on_worker
         self._current: _Compiled | None = None

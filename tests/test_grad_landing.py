@@ -36,6 +36,7 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.asked: list[float] = []
+        self.first_ask = threading.Event()
         self.hosts: list[torch.Tensor] = []
         self.decided: list[tuple[float, bool]] = []
         self.futures: list = []
@@ -45,6 +46,7 @@ class _Spy:
         def convert_after(landing, landed, host, dtype, steps=(), wanted=lambda: True,
                           key=None):
             spy.asked.append(time.perf_counter())
+            spy.first_ask.set()
             spy.hosts.append(host)
 
             def recorded() -> bool:
@@ -153,11 +155,14 @@ def test_conversions_wait_for_the_pending_step(monkeypatch):
     step_end: list[float] = []
 
     def slow_step() -> None:
-        time.sleep(0.5)
+        # until the next call asks for its first conversion (a fixed sleep was not
+        # always long enough on a loaded machine)
+        spy.first_ask.wait(30)
         opt.step()
         opt.zero_grad()
         step_end.append(time.perf_counter())
 
+    spy.first_ask.clear()
     pipe.step(slow_step)
     spy.decided.clear()
     spy.asked.clear()

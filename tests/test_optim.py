@@ -388,6 +388,65 @@ def test_host_bytes_per_parameter_meet_the_goal():
     assert per_param["ours-bf16"] <= 12.1
 
 
+def _slow_steps(landing_buffers, monkeypatch):
+    """Two asynchronous AdamW steps whose step_fn waits until the next call's first
+    gradient is about to land (or, if that landing waits for the step, for a second), so
+    the landing always meets a buffer the step still holds."""
+    import threading
+    from roundpipe.runtime import grad_landing
+    model, args, kwargs = models.gpt(layers=2)
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+    landing = threading.Event()
+    original = grad_landing.GradLanding.buffer_for
+
+    def buffer_for(self, key, steps=()):
+        landing.set()
+        return original(self, key, steps)
+
+    monkeypatch.setattr(grad_landing.GradLanding, "buffer_for", buffer_for)
+
+    def step():
+        landing.wait(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    with RoundPipe(model.to(torch.bfloat16), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                   landing_buffers=landing_buffers,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-3)
+        for _ in range(2):
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+            landing.clear()
+            pipe.step(step)
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        pipe.synchronize()
+        kept = [len(k) for k in pipe._landing.buffers.values()]
+        return ([m.detach().clone() for m in pipe.optim_parameters()], kept,
+                pipe._landing.wait_seconds)
+
+
+def test_one_landing_set_waits_for_the_step_and_changes_no_result(monkeypatch):
+    """landing_buffers=1: a gradient whose buffer the pending step still holds waits for
+    the step instead of landing into a second buffer, so the host keeps one set; with 2
+    (or "auto" with memory to spare) a second set is allocated.  The results are the same
+    bits."""
+    one, kept_one, waited = _slow_steps(1, monkeypatch)
+    assert kept_one and max(kept_one) == 1 and waited > 0
+    two, kept_two, waited_two = _slow_steps(2, monkeypatch)
+    assert max(kept_two) == 2 and waited_two == 0
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    # "auto" follows the host's available memory
+    from roundpipe.runtime import grad_landing
+    monkeypatch.setattr(grad_landing, "_affordable", lambda nbytes: False)
+    auto, kept_auto, _ = _slow_steps("auto", monkeypatch)
+    assert max(kept_auto) == 1
+    for a, b in zip(one, auto):
+        assert torch.equal(a, b)
+    with pytest.raises(roundpipe.ConfigError, match="landing_buffers"):
+        RoundPipe(nn.Linear(2, 2), landing_buffers=3)
+
+
 def test_a_step_outside_step_fn_or_with_bad_settings_changes_nothing():
     model, args, kwargs = models.gpt(layers=1)
     loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731

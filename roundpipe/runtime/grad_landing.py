@@ -18,15 +18,25 @@ the peak, during a call, is what it was.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import torch
 
+log = logging.getLogger(__name__)
 
 _KEPT_PER_KEY = 2
+
+#: how many download buffers a gradient may have (``RoundPipe(landing_buffers=...)``)
+LandingBuffers = Union[int, str]
+LANDING_BUFFERS = (1, 2, "auto")
+#: ``"auto"`` lands into a second buffer only while the host keeps this share of its
+#: memory available after the allocation
+HOST_MARGIN = 0.10
 
 
 class GradLanding:
@@ -36,13 +46,19 @@ class GradLanding:
 
     def __init__(self, convert: bool = True,
                  steps: Callable[[], list[Future]] | None = None,
-                 busy: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 busy: Callable[[torch.Tensor], bool] | None = None,
+                 sets: LandingBuffers = 2) -> None:
         # Download buffers by (unit, slot).  Usually one each; a buffer the host state
         # holds (``busy``: a gradient a one-pass optimizer reads in place, or the weight
         # its step staged there) is not reused, so a second one alternates with it.
         self.buffers: dict[tuple[int, str], list[torch.Tensor]] = {}
         self.busy = busy if busy is not None else (lambda t: False)
         self.steps = steps if steps is not None else list
+        # 2: a gradient whose buffer a pending step still reads lands into a second one;
+        # 1: its download waits for the step (2 bytes per bf16 parameter less); "auto": 1
+        # only when the host's memory would run short.
+        self.sets = sets
+        self.wait_seconds = 0.0  # spent waiting for steps instead of a second buffer
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="roundpipe-grads")
                       if convert else None)
         self._lock = threading.Lock()
@@ -50,8 +66,24 @@ class GradLanding:
         # Only the conversion thread touches it.
         self._spare: dict[tuple[int, str], torch.Tensor] = {}
 
-    def buffer_for(self, key: tuple[int, str]) -> torch.Tensor | None:
-        """A download buffer of ``key`` free to be overwritten, if one is kept."""
+    def buffer_for(self, key: tuple[int, str], steps: Sequence[Future] = ()
+                   ) -> torch.Tensor | None:
+        """A download buffer of ``key`` free to be overwritten, if one is kept (None: the
+        download allocates one).  When every kept buffer is held by a gradient a step in
+        ``steps`` reads (and its ``zero_grad`` then releases), the landing may wait for
+        those steps rather than allocate a second buffer (see ``sets``)."""
+        free = self._free(key)
+        kept = self.buffers.get(key)
+        if free is not None or not kept or all(f.done() for f in steps):
+            return free
+        if self.sets == 2 or (self.sets == "auto" and _affordable(_nbytes(kept[0]))):
+            return None
+        start = time.perf_counter()
+        wait(steps)
+        self.wait_seconds += time.perf_counter() - start
+        return self._free(key)  # still held (no zero_grad): a second buffer after all
+
+    def _free(self, key: tuple[int, str]) -> torch.Tensor | None:
         return next((t for t in self.buffers.get(key, ()) if not self.busy(t)), None)
 
     def keep(self, key: tuple[int, str], buffer: torch.Tensor) -> None:
@@ -140,6 +172,23 @@ class GradLanding:
         if pool is not None:
             pool.shutdown(wait=True)
         self._spare.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _affordable(nbytes: int) -> bool:
+    """Whether ``nbytes`` more leave the host ``HOST_MARGIN`` of its memory available
+    (Linux's MemAvailable; elsewhere, unknown: yes)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                    if line.startswith(("MemTotal:", "MemAvailable:"))}
+        total, available = info["MemTotal"], info["MemAvailable"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return True
+    return available - nbytes >= HOST_MARGIN * total
 
 
 def _unshared(t: torch.Tensor) -> bool:

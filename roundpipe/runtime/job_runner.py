@@ -120,7 +120,8 @@ class JobRunner:
         for (uid, slot), leaf in leaves:
             if leaf.grad is None or (uid, slot) in self.handed:
                 continue
-            host = self.device.download(leaf.grad, "grads", out=landing.buffer_for((uid, slot)))
+            out = landing.buffer_for((uid, slot), self.call.steps)
+            host = self.device.download(leaf.grad, "grads", out=out)
             landing.keep((uid, slot), host)
             self.handed.add((uid, slot))
             staged.append((slot, uid, host))
