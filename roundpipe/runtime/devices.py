@@ -25,6 +25,7 @@ an unfilled tensor in the tests instead of a race that only a GPU would show.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import ConfigError
+from .device_memory import StorageLedger
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,13 @@ class DeviceCounters:
         peak_resident_bytes: most bytes uploaded and not yet released at once.
         peak_weight_bytes: the same for stage weights alone (at most two stages: the one
             computing and the one prefetched).
+        peak_allocated_bytes: the most bytes of tensors alive on the device at once during
+            the call: weights (prefetched ones too), activations, tensors saved for
+            backward, stashed inputs, gradients.  CUDA: the allocator's peak over what was
+            allocated when the call started (a GPU shared by logical devices reports the
+            whole GPU's).  Virtual CPU devices: measured from the storages made on the
+            device's threads (``runtime/device_memory.py``), only when ``measure_memory``
+            is on; None otherwise.
     """
 
     name: str
@@ -80,6 +89,7 @@ class DeviceCounters:
     downloaded: Mapping[str, int]
     peak_resident_bytes: int
     peak_weight_bytes: int
+    peak_allocated_bytes: int | None = None
 
 
 class Transfer:
@@ -160,6 +170,9 @@ class Device:
         self._lock = threading.Lock()
         self._resident = 0
         self._weight_resident = 0
+        # Storages made on this device's threads, per job (when measure_memory is on).
+        self.memory = StorageLedger(torch_device.type)
+        self.measure_memory = False
         self.reset_counters()
 
     # --- accounting ----------------------------------------------------------------------
@@ -171,12 +184,23 @@ class Device:
             self._peak = self._resident
             self._weight_peak = self._weight_resident
             self._download_errors = []
+        self.memory.reset()
 
     def counters(self) -> DeviceCounters:
         with self._lock:
             return DeviceCounters(self.name, sum(self._up.values()), sum(self._down.values()),
                                   dict(self._up), dict(self._down), self._peak,
-                                  self._weight_peak)
+                                  self._weight_peak, self._peak_allocated())
+
+    def _peak_allocated(self) -> int | None:
+        return self.memory.peak_bytes() if self.measure_memory else None
+
+    def watching(self, owner: Any) -> Any:
+        """A block whose tensors count as this device's memory, held by ``owner`` (a job
+        index), when ``measure_memory`` is on (run it on this device's threads)."""
+        if not self.measure_memory:
+            return contextlib.nullcontext()
+        return self.memory.watching(owner)
 
     def resident_bytes(self) -> int:
         """Bytes uploaded and not yet released."""
@@ -221,16 +245,18 @@ class Device:
         return self._controller.submit(fn, *args)
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor],
-                     before: Callable[[], None] | None = None) -> Transfer:
+                     before: Callable[[], None] | None = None, owner: Any = None) -> Transfer:
         """Upload a stage's state on the weight loader; ``before`` runs first there (the
-        wait for the optimizer's fences).  ``result()`` gives ``{name: device tensor}``."""
+        wait for the optimizer's fences).  ``result()`` gives ``{name: device tensor}``;
+        ``owner`` is the job the copies are measured for."""
         def work() -> Any:
             if before is not None:
                 before()
             copies: dict[str, torch.Tensor] = {}
             try:
-                for name, t in tensors.items():
-                    copies[name] = self._copy_in(t, "weights", self._weight_stream())
+                with self.watching(owner):
+                    for name, t in tensors.items():
+                        copies[name] = self._copy_in(t, "weights", self._weight_stream())
             except BaseException:
                 self.release(sum(_nbytes(c) for c in copies.values()), "weights")
                 raise
@@ -239,9 +265,13 @@ class Device:
         return Transfer(self._weights.submit(work), self._ready, self, nbytes, "weights")
 
     def upload_async(self, tensor: torch.Tensor, category: str = "activations") -> Transfer:
-        """Upload one tensor on the activation loader."""
+        """Upload one tensor on the activation loader (measured for the job the calling
+        thread runs)."""
+        owner = self.memory.owner()
+
         def work() -> Any:
-            copy = self._copy_in(tensor, category, self._activation_stream())
+            with self.watching(owner):
+                copy = self._copy_in(tensor, category, self._activation_stream())
             return copy, self._record(self._activation_stream())
         return Transfer(self._activations.submit(work), self._ready, self, _nbytes(tensor),
                         category)
@@ -337,7 +367,8 @@ class VirtualCPUDevice(Device):
                  out: torch.Tensor | None = None) -> torch.Tensor:
         tensor = dense(tensor.detach())
         if not _fits(out, tensor):
-            out = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+            with self.memory.host():
+                out = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
         self._account_download(_nbytes(out), category)
         # Copied on the waiter thread, like a copy on a CUDA download stream: the host
         # tensor is filled only once an after_downloads() future issued after it completes.
@@ -395,6 +426,16 @@ class CUDADevice(Device):  # pragma: no cover - needs a GPU
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch>=2.6
         limit = (fraction(self.torch_device) if fraction is not None else 1.0) * total
         return max(0, int(min(free + cached, limit - allocated))) // self.shares
+
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        # The allocator's peak is per GPU: restart it, and report it over what is
+        # allocated now (the caller's own tensors are not the pipeline's).
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+        self._allocated_at_start = torch.cuda.memory_allocated(self.torch_device)
+
+    def _peak_allocated(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.torch_device) - self._allocated_at_start
 
     def _weight_stream(self) -> Any:
         return self._streams["weights"]

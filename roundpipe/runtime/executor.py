@@ -93,6 +93,11 @@ class RunStats:
     grad_bytes: dict[str, int] = field(default_factory=dict)
     # How the gradients were combined across replicas (a DataParallelStats), or None.
     data_parallel: Any = None
+    # Stage -> the most bytes its job held on its device at once (its weights, inputs,
+    # activations, tensors saved for backward, gradients; not the weights prefetched for a
+    # later job): what StageSpec.memory_bytes estimates.  Measured from the tensors made
+    # on the device's threads (runtime/device_memory.py); empty unless measure_memory.
+    stage_peak_bytes: dict[int, int] = field(default_factory=dict)
 
     @property
     def grad_bytes_downloaded(self) -> int:
@@ -388,6 +393,7 @@ class Executor:
             grad_bytes={self.host.specs[slot].fqn: sum(g.numel() * g.element_size()
                                                        for _, g in grads)
                         for slot, grads in call.param_grads.items()},
+            stage_peak_bytes=self._stage_peaks(jobs),
         )
         outputs = None
         if call.want_outputs:
@@ -414,6 +420,16 @@ class Executor:
                          grads_owned=frozenset(owned), values=values,
                          grads_holdable=frozenset(s for s in call.in_place
                                                   if len(param_grads.get(s, ())) == 1))
+
+    def _stage_peaks(self, jobs: list[Job]) -> dict[int, int]:
+        """Each measured job's own peak, by stage (owners are job indices)."""
+        peaks: dict[int, int] = {}
+        for job in jobs:
+            device = self.devices[job.index % len(self.devices)]
+            if device.measure_memory and not job.skip:
+                peak = device.memory.owner_peaks().get(job.index, 0)
+                peaks[job.stage] = max(peaks.get(job.stage, 0), peak)
+        return peaks
 
     def runnable(self, unit: UnitProgram, device: torch.device | None = None
                  ) -> Callable[..., Any]:
@@ -495,7 +511,8 @@ class Executor:
 
         call.load_requested[job.index] = time.perf_counter() - call.t0
         call.weights[job.index] = device.load_weights(
-            {slot: call.state.get(slot, host.tensors[slot]) for slot in job.slots}, before)
+            {slot: call.state.get(slot, host.tensors[slot]) for slot in job.slots}, before,
+            owner=job.index)
 
     def _wait_for(self, call: _Call, job: Job, mb: int) -> None:
         if job.index == 0:
@@ -530,7 +547,8 @@ class Executor:
         spans: list[tuple[float, float]] = []
         mb = 0
         # Named for torch.profiler, so stages show in PyTorch's own traces too.
-        with torch.profiler.record_function(f"roundpipe stage {job.stage} ({job.kind})"):
+        with torch.profiler.record_function(f"roundpipe stage {job.stage} ({job.kind})"), \
+                device.watching(job.index):
             try:
                 runner.setup()
                 for mb in range(call.num_mb):
