@@ -136,10 +136,11 @@ class JobRunner:
                   if self.ex._readers[slot] == 1 and slot not in in_place]
         if single and self._converts():
             landed = self.device.after_downloads()
-            converted = {(slot, uid): self.ex.landing.convert_after(
-                landed, g, self.ex._grad_dtype(slot), self.call.steps,
-                functools.partial(self.ex.host.has_no_grad, slot), key=(uid, slot))
-                for slot, uid, g in single}
+            with self.device.memory.host():  # the masters' dtype: made on first use
+                converted = {(slot, uid): self.ex.landing.convert_after(
+                    landed, g, self.ex._grad_dtype(slot), self.call.steps,
+                    functools.partial(self.ex.host.has_no_grad, slot), key=(uid, slot))
+                    for slot, uid, g in single}
         with self.call.lock:
             for slot, uid, g in staged:
                 self.call.param_grads.setdefault(slot, []).append((uid, g))
@@ -197,11 +198,13 @@ class JobRunner:
         if self.hand_over_errors:
             raise self.hand_over_errors[0]
         if self.job.kind == "fused" and not call.nonfinite_loss_ok:
-            self._check_losses()
+            with self.device.memory.host():  # the losses are host tensors
+                self._check_losses()
         with call.lock:
             call.buffers.update(staged_buffers)
         if call.on_grads is not None and self.job.kind in ("fused", "bwd"):
-            call.on_grads(self.job.start, self.job.stop, staged_grads)
+            with self.device.memory.host():  # the hook works on the host's copies
+                call.on_grads(self.job.start, self.job.stop, staged_grads)
 
     # --- values --------------------------------------------------------------------------
     def _upload(self, mb: int, value: torch.Tensor, category: str) -> torch.Tensor:
@@ -227,6 +230,8 @@ class JobRunner:
         handed = self.call.handoff.pop((mb, name), None)
         if handed is not None:
             value = handed
+            if isinstance(value, torch.Tensor):  # held by this job from now on
+                self.device.memory.adopt(value, self.job.index)
         elif name in self.prefetched.get(mb, {}):
             transfer = self.prefetched[mb].pop(name)
             self.held.setdefault(mb, []).append(transfer)
