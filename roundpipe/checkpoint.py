@@ -10,6 +10,10 @@ an untrusted source cannot execute code, it fails to load.
 A save is atomic: it writes a temporary file beside the target, flushes it to disk and
 renames it into place, so a crash or a kill during the write leaves the previous
 checkpoint whole; temporary files of killed saves are removed by the next save.
+
+``sharded=True`` writes a directory through ``torch.distributed.checkpoint`` instead
+(``checkpoint_sharded``: every data-parallel replica writes its own part, and a load
+reshards); ``asynchronous=True`` writes in the background (``checkpoint_async``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .errors import RoundPipeError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import RoundPipe
+    from .checkpoint_async import CheckpointSave
     from .grad_scaler import GradScaler
 
 _FORMAT = "roundpipe-checkpoint-1"
@@ -38,13 +43,45 @@ class CheckpointError(RoundPipeError, ValueError):
 
 def save_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
                     optimizer: torch.optim.Optimizer | None = None,
-                    scaler: GradScaler | None = None, extra: Any = None) -> None:
+                    scaler: GradScaler | None = None, extra: Any = None, *,
+                    sharded: bool | None = None, asynchronous: bool = False,
+                    max_snapshot_bytes: int | None = None) -> CheckpointSave | None:
     """Write the training state to ``path`` (and nowhere else).
 
     Safe to call while an asynchronous step is pending: it waits for the step, without
     changing the schedule the run follows.  ``extra`` (plain data: numbers, strings,
     tensors, lists, dicts) is stored alongside, e.g. the data loader's position.
+
+    Args:
+        sharded: write a directory through ``torch.distributed.checkpoint``; default: when
+            ``path`` is an existing directory.  Under data parallelism every replica
+            calls it (collective) and writes only what it owns.
+        asynchronous: capture the state now and write it in the background; returns a
+            :class:`~roundpipe.checkpoint_async.CheckpointSave` future.  A later save or
+            load waits for it.
+        max_snapshot_bytes: cap on the host memory an asynchronous sharded save copies;
+            the masters and optimizer state beyond it are copied one tensor at a time
+            while the write holds the optimizer thread (the next ``step_fn`` waits).
     """
+    from .checkpoint_async import save_file_async, wait_for_saves
+    wait_for_saves()  # one save at a time
+    path = os.fspath(path)
+    if sharded is None:
+        sharded = os.path.isdir(path)
+    if max_snapshot_bytes is not None and not (sharded and asynchronous):
+        raise CheckpointError(
+            f"max_snapshot_bytes={max_snapshot_bytes} only applies to an asynchronous sharded "
+            "save (one file cannot be written in pieces): pass sharded=True, "
+            "asynchronous=True")
+    if sharded:
+        from . import checkpoint_sharded
+        group = checkpoint_sharded.checkpoint_group(pipe)
+        collected = checkpoint_sharded.collect(pipe, optimizer, scaler, extra, group)
+        if asynchronous:
+            from .checkpoint_async import save_sharded_async
+            return save_sharded_async(path, pipe, collected, group, max_snapshot_bytes)
+        checkpoint_sharded.write(path, collected, group)
+        return None
     state = {
         "format": _FORMAT,
         "model": pipe.state_dict(),  # waits for a pending step first
@@ -52,7 +89,14 @@ def save_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "extra": extra,
     }
-    write_atomically(os.fspath(path), lambda f: torch.save(state, f))
+    if asynchronous:
+        return save_file_async(path, state, _write_file)
+    _write_file(path, state)
+    return None
+
+
+def _write_file(path: str, state: dict[str, Any]) -> None:
+    write_atomically(path, lambda f: torch.save(state, f))
 
 
 def write_atomically(path: str, write: Any) -> None:
@@ -118,8 +162,19 @@ def load_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
     """Restore what :func:`save_checkpoint` wrote; returns its ``extra``.
 
     Create the optimizer over ``pipe.optim_parameters()`` before loading, as for a fresh
-    run.
+    run.  A sharded checkpoint (a directory) loads into any number of replicas and
+    devices: each process reads what it needs.
     """
+    from .checkpoint_async import wait_for_saves
+    wait_for_saves()
+    if os.path.isdir(path) or not os.path.exists(path):
+        from . import checkpoint_sharded
+        try:
+            directory = checkpoint_sharded.resolve(os.fspath(path))
+        except CheckpointError:
+            directory = None  # no directory either: the file's error below
+        if directory is not None:
+            return checkpoint_sharded.load_sharded(directory, pipe, optimizer, scaler)
     try:
         state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - every unusable file gets the same clear error

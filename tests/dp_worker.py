@@ -222,6 +222,23 @@ def zero_checkpoint(rank: int, world: int, path: str) -> dict[str, Any]:
     return out
 
 
+def sharded_checkpoint(rank: int, world: int, path: str) -> dict[str, Any]:
+    """ZeroRedundancyOptimizer, summed gradients (= one process with 2 microbatches): an
+    asynchronous sharded checkpoint after step 2, each replica writing its own shard; the
+    test loads it into one process (2 -> 1 replicas) for step 3."""
+    pipe = replica(rank, 1, reduction="sum", bucket_bytes="16KiB")
+    opt = rd.zero_optimizer(pipe, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-3)
+    train(pipe, opt, [0, 1], rank, world, models.lm_loss, is_async=True)
+    future = roundpipe.save_checkpoint(path, pipe, opt, extra={"step": 2}, sharded=True,
+                                       asynchronous=True)
+    losses = train(pipe, opt, [2], rank, world, models.lm_loss, is_async=True)  # overlaps
+    future.result(timeout=120)
+    out = {"losses": losses, "state": state(pipe), "path": path,
+           "files": sorted(os.listdir(path))}
+    pipe.close()
+    return out
+
+
 class Injected(RuntimeError):
     pass
 
@@ -316,7 +333,7 @@ def dead_replica(rank: int, world: int, save: Callable[[dict[str, Any]], None]
 
 GROUPS: dict[str, list[str]] = {
     "equivalence": ["sgd_sum", "adamw_mean", "adamw_async", "zero_checkpoint",
-                    "autograd_backward", "batchnorm_buffers"],
+                    "sharded_checkpoint", "autograd_backward", "batchnorm_buffers"],
     "failures": ["replica_failure", "hung_replica", "dead_replica"],
 }
 
@@ -334,10 +351,10 @@ def main() -> None:
                     results[name] = out
                     torch.save(results, out_path)
                 results[name] = fn(rank, world, save)
-            elif name == "zero_checkpoint":
+            elif name in ("zero_checkpoint", "sharded_checkpoint"):
                 # the replicas' outputs share a directory: so does the checkpoint
                 results[name] = fn(rank, world, os.path.join(os.path.dirname(out_path),
-                                                             "zero.ckpt"))
+                                                             f"{name}.ckpt"))
             else:
                 results[name] = fn(rank, world)
         except BaseException:  # noqa: BLE001 - reported to the test

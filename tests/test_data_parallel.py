@@ -165,6 +165,28 @@ def test_zero_sharded_optimizer_and_a_checkpoint_saved_by_one_replica(launches):
     assert sum(r["state_bytes"] for r in per_rank) == pytest.approx(full, rel=0.01)
 
 
+def test_a_sharded_checkpoint_of_2_replicas_resumes_in_1_process_bit_exactly(launches):
+    """Two replicas (ZeRO, 1 microbatch each) save asynchronously, each its own shard of
+    the optimizer state; one process with 2 microbatches loads it and trains on, bit for
+    bit as the replicas did (and as one process would have from the start)."""
+    want_losses, want = reference("adamw", num_microbatch=2, is_async=True)
+    per_rank = launches["equivalence"].scenario("sharded_checkpoint")
+    for r in per_rank:
+        _assert_states_equal(r["state"], want, exact=True)
+    # Each replica wrote one data file: its optimizer shard (and half the model).
+    assert [f for f in per_rank[0]["files"] if f.endswith(".distcp")] == [
+        "__0_0.distcp", "__1_0.distcp"]
+    pipe = RoundPipe(dp_worker.build_model(), devices=["cpu"] * 4, seed=0,
+                     data_parallel=False,
+                     model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2))
+    opt = dp_worker.make_optimizer("adamw", pipe.optim_parameters())
+    assert roundpipe.load_checkpoint(per_rank[0]["path"], pipe, opt) == {"step": 2}
+    losses = dp_worker.train(pipe, opt, [2], 0, 1, dp_worker.models.lm_loss, is_async=True)
+    assert float(losses[-1]) == float(want_losses[-1])
+    _assert_states_equal(dp_worker.state(pipe), want, exact=True)
+    pipe.close()
+
+
 def test_a_failing_replica_makes_every_replica_raise_and_none_commit(launches):
     # Rank 1's loss_fn raises in step 2 of 3; both go on with step 3.
     _, want = reference("sgd", num_microbatch=2, steps=[0, 2])

@@ -119,6 +119,11 @@ class OptimizerWorker:
             return fn()
         return self._executor.submit(fn).result()
 
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Queue ``fn`` on the optimizer thread without waiting: steps enqueued later run
+        after it (an asynchronous checkpoint holds them while it reads the masters)."""
+        return self._executor.submit(fn)
+
     def raise_if_failed(self) -> None:
         if any(p.done() for p in self._pending):
             done = [p for p in self._pending if p.done()]

@@ -1,0 +1,370 @@
+"""Sharded checkpoints: a directory written through ``torch.distributed.checkpoint``.
+
+Layout of ``path/``::
+
+    .metadata, __0_0.distcp, ...   DCP: every tensor (model, optimizer state), by key
+    roundpipe.pt                   the rest (format, names, scaler, extra, optimizer
+                                   hyper-parameters), torch.save, read weights_only
+
+Keys: ``model.<state dict key>``, ``published.<parameter>`` (the weights one step behind
+the masters under the asynchronous schedule) and ``optimizer.<parameter>.<state key>``;
+optimizer state is stored by parameter *name*, not index, so any optimizer over the same
+parameters loads it (a plain one, or ``ZeroRedundancyOptimizer`` over any number of
+replicas).
+
+Data parallel: every replica calls :func:`save_sharded`; each writes only what it owns.
+Replicated tensors (the model, a plain optimizer's state) carry the same keys on every
+replica and DCP's planner has one replica write each; a ``ZeroRedundancyOptimizer``
+contributes only its own shard's state.  Loading never communicates: each process reads
+the keys it needs (its shard, or everything), which is what makes resharding free.
+
+Atomicity: the save writes ``.<name>.tmp-<pid>-<hex>/``, flushed, then moves the old
+directory aside, renames the new one into place and deletes the old.  A kill between the
+two renames leaves no ``path``: :func:`resolve` then finds the complete directory beside
+it (``roundpipe.pt`` is written last, so its presence means complete).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import logging
+import os
+import re
+import shutil
+import uuid
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .checkpoint import CheckpointError, _alive, _fsync_directory, write_atomically
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .api import RoundPipe
+    from .grad_scaler import GradScaler
+
+log = logging.getLogger(__name__)
+# One process without a group is a use we intend, not a mistake worth a warning per save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
+
+FORMAT = "roundpipe-sharded-1"
+META_FILE = "roundpipe.pt"
+_TENSOR = "<tensor>"  # marks an optimizer state entry stored through DCP
+_WRITING: set[str] = set()  # directories this process is writing now
+_groups: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Collected:
+    """What one process saves: DCP's tensors and the plain data of ``roundpipe.pt``.
+
+    ``live`` keys are tensors only the optimizer thread changes (masters, optimizer
+    state): an asynchronous save may read them late, while it holds the optimizer.
+    ``private`` keys are copies made for the save (the lagging weights).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    live: set[str] = field(default_factory=set)
+    private: set[str] = field(default_factory=set)  # copies already, nobody changes them
+
+
+# --- what is saved ---------------------------------------------------------------------
+
+def _is_zero(optimizer: Any) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _param_names(pipe: RoundPipe, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    names = {id(t): n for n, t in pipe.optim_named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(
+                    f"the optimizer holds a {tuple(p.shape)} parameter that is not one of "
+                    "pipe.optim_parameters(); a checkpoint stores optimizer state by the "
+                    "pipe's parameter names: create the optimizer over "
+                    "pipe.optim_parameters()")
+    return names
+
+
+def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
+            scaler: GradScaler | None, extra: Any, group: Any) -> Collected:
+    """Gather this process's share of the training state (waits for a pending step)."""
+    sd = pipe.state_dict()
+    metadata = dict(getattr(sd, "_metadata", {}) or {})
+    rp = dict(metadata.pop("roundpipe", {}) or {})
+    published = rp.pop("published", None) or {}
+    params = {n for n, _ in pipe.model.named_parameters(remove_duplicate=False)}
+    tensors: dict[str, torch.Tensor] = {}
+    live: set[str] = set()
+    other: dict[str, Any] = {}
+    for key, value in sd.items():
+        if isinstance(value, torch.Tensor):
+            tensors["model." + key] = value.detach()
+            if key in params:
+                live.add("model." + key)
+        else:
+            other[key] = value
+    for name, value in published.items():
+        tensors["published." + name] = value  # already a copy
+    meta: dict[str, Any] = {
+        "format": FORMAT, "model_keys": list(sd.keys()), "model_other": other,
+        "model_metadata": metadata, "roundpipe": rp, "published": sorted(published),
+        "scaler": scaler.state_dict() if scaler is not None else None, "extra": extra,
+        "optimizer": None,
+    }
+    if optimizer is not None:
+        names = _param_names(pipe, optimizer)
+        local = optimizer.optim.state if _is_zero(optimizer) else optimizer.state
+        layout: dict[str, dict[str, Any]] = {}
+        for p, entries in local.items():
+            name = names[id(p)]
+            layout[name] = {}
+            for k, v in entries.items():
+                if isinstance(v, torch.Tensor):
+                    key = f"optimizer.{name}.{k}"
+                    tensors[key] = v.detach()
+                    live.add(key)
+                    layout[name][k] = _TENSOR
+                else:
+                    layout[name][k] = v
+        if _is_zero(optimizer) and group is not None:
+            import torch.distributed as dist
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, layout, group=group)  # our own processes
+            layout = {n: e for part in gathered for n, e in part.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [names[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        meta["optimizer"] = {"param_groups": groups, "state": layout}
+    return Collected(tensors, meta, live, {"published." + n for n in published})
+
+
+# --- writing ---------------------------------------------------------------------------
+
+def checkpoint_group(pipe: RoundPipe) -> Any:
+    """The process group saves run their collectives on (None without data parallelism):
+    a gloo group of its own, since an asynchronous save runs while training issues
+    collectives on the pipe's groups.  Created, collectively, by the first save."""
+    dp = pipe._dp
+    if dp is None:
+        return None
+    group = _groups.get(dp)
+    if group is None:
+        import torch.distributed as dist
+        group = dist.new_group(ranks=dist.get_process_group_ranks(dp.group), backend="gloo",
+                               timeout=datetime.timedelta(seconds=dp.config.timeout_s))
+        _groups[dp] = group
+    return group
+
+
+def write(path: str, collected: Collected, group: Any,
+          resolve: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Write ``collected`` as the sharded checkpoint ``path`` (collective under ``group``).
+
+    ``resolve(key, tensor)`` is asked for each tensor as DCP writes it (the asynchronous
+    save copies live tensors there)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    path = os.path.abspath(path)
+    directory, name = os.path.split(path)
+    rank = dist.get_rank(group) if group is not None else 0
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path!r} is a single-file checkpoint; a sharded save needs "
+                              "a directory path: pass another path or remove the file")
+    temp = [os.path.join(directory, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")]
+    if group is not None:
+        dist.broadcast_object_list(temp, src=dist.get_global_rank(group, 0), group=group)
+    temp_dir = temp[0]
+    _WRITING.add(temp_dir)
+    try:
+        if rank == 0:
+            os.makedirs(temp_dir)
+        if group is not None:
+            dist.barrier(group=group)
+
+        class _Planner(DefaultSavePlanner):
+            def resolve_data(self, write_item: Any) -> Any:
+                data = super().resolve_data(write_item)
+                if resolve is not None and isinstance(data, torch.Tensor):
+                    data = resolve(write_item.index.fqn, data)
+                return data
+
+        dcp.save(collected.tensors, storage_writer=FileSystemWriter(temp_dir, sync_files=True),
+                 planner=_Planner(), process_group=group, no_dist=group is None)
+        if rank == 0:
+            write_atomically(os.path.join(temp_dir, META_FILE),
+                             lambda f: torch.save(collected.meta, f))
+            _fsync_directory(temp_dir)
+            _swap_in(temp_dir, path)
+        if group is not None:
+            dist.barrier(group=group)  # every replica returns once the new one is in place
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    finally:
+        _WRITING.discard(temp_dir)
+    if rank == 0:
+        _remove_stale(directory, name)
+
+
+def _swap_in(temp_dir: str, path: str) -> None:
+    directory, name = os.path.split(path)
+    aside = None
+    if os.path.lexists(path):
+        aside = os.path.join(directory, f".{name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        _WRITING.add(aside)
+        os.replace(path, aside)
+    os.replace(temp_dir, path)
+    _fsync_directory(directory)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+        _WRITING.discard(aside)
+
+
+def _sides(directory: str, name: str) -> list[tuple[str, int]]:
+    """Directories beside ``name`` left by saves: (path, pid of the saver)."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.(?:tmp|old)-(\d+)-[0-9a-f]{{8}}$")
+    found = []
+    for entry in os.listdir(directory):
+        match = pattern.match(entry)
+        if match is not None:
+            found.append((os.path.join(directory, entry), int(match.group(1))))
+    return found
+
+
+def _remove_stale(directory: str, name: str) -> None:
+    """Delete what killed saves left beside ``name`` (``name`` itself is whole now)."""
+    for side, pid in _sides(directory, name):
+        if side in _WRITING or (pid != os.getpid() and _alive(pid)):
+            continue
+        if os.path.isdir(side):
+            shutil.rmtree(side, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(side)
+
+
+def resolve(path: str) -> str:
+    """The directory to load for ``path``: itself, or, when a save was killed between
+    moving the old directory aside and renaming the new one in, the newest complete one
+    beside it."""
+    if os.path.isdir(path):
+        return path
+    directory, name = os.path.split(os.path.abspath(path))
+    complete = [s for s, _ in _sides(directory, name)
+                if os.path.isfile(os.path.join(s, META_FILE))] if os.path.isdir(directory) else []
+    if not complete:
+        raise CheckpointError(f"no checkpoint at {path!r}")
+    best = max(complete, key=lambda s: os.path.getmtime(os.path.join(s, META_FILE)))
+    log.warning("roundpipe: %s is missing (a save was killed while swapping it in); "
+                "loading the complete checkpoint %s", path, best)
+    return best
+
+
+# --- reading ---------------------------------------------------------------------------
+
+def read_meta(path: str) -> dict[str, Any]:
+    meta_path = os.path.join(path, META_FILE)
+    try:
+        meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - every unusable file gets the same clear error
+        raise CheckpointError(f"cannot load {meta_path!r} with weights_only=True "
+                              f"({type(e).__name__}: {e}); save it with "
+                              "roundpipe.save_checkpoint") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r} is not a roundpipe sharded checkpoint "
+                              f"(expected format {FORMAT!r})")
+    return meta
+
+
+def read_tensors(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Read the tensors ``keys`` from the DCP files of ``path`` (no collectives)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .checkpoint_safe_dcp import SafeFileSystemReader, TensorOnlyLoadPlanner
+
+    reader = SafeFileSystemReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        md = stored.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{path!r} lacks the tensor {key!r}: the checkpoint is "
+                                  "incomplete or not roundpipe's")
+        out[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    if out:
+        dcp.load(out, storage_reader=SafeFileSystemReader(path),
+                 planner=TensorOnlyLoadPlanner(), no_dist=True)
+    return out
+
+
+def model_state(path: str, meta: dict[str, Any]) -> collections.OrderedDict:
+    """The model's state dict as ``pipe.state_dict()`` returned it."""
+    other = meta["model_other"]
+    tensor_keys = [k for k in meta["model_keys"] if k not in other]
+    read = read_tensors(path, ["model." + k for k in tensor_keys]
+                        + ["published." + n for n in meta["published"]])
+    sd: collections.OrderedDict = collections.OrderedDict(
+        (k, other[k] if k in other else read["model." + k]) for k in meta["model_keys"])
+    rp = dict(meta["roundpipe"])
+    if meta["published"]:
+        rp["published"] = {n: read["published." + n] for n in meta["published"]}
+    sd._metadata = {**meta["model_metadata"], "roundpipe": rp}  # type: ignore[attr-defined]
+    return sd
+
+
+def load_optimizer(path: str, meta: dict[str, Any], pipe: RoundPipe,
+                   optimizer: torch.optim.Optimizer) -> None:
+    """Load the optimizer state by parameter name; a ``ZeroRedundancyOptimizer`` reads
+    only its own shard's."""
+    saved = meta["optimizer"]
+    names = _param_names(pipe, optimizer)
+    index: dict[str, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index[names[id(p)]] = len(index)
+    groups = saved["param_groups"]
+    mine = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if [sorted(g["params"]) for g in groups] != [sorted(g) for g in mine]:
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(groups)} parameter group(s) of "
+            f"{[len(g['params']) for g in groups]} parameters, this one "
+            f"{[len(g) for g in mine]} (or other names): create the optimizer over "
+            "pipe.optim_parameters() with the same groups as the saved run")
+    wanted = set(index)
+    if _is_zero(optimizer):
+        wanted = {names[id(p)] for p, r in optimizer._param_to_rank.items()
+                  if r == optimizer.rank}
+    layout = {n: e for n, e in saved["state"].items() if n in wanted}
+    read = read_tensors(path, [f"optimizer.{n}.{k}" for n, e in layout.items()
+                               for k, v in e.items() if v == _TENSOR])
+    state = {index[n]: {k: read[f"optimizer.{n}.{k}"] if v == _TENSOR else v
+                        for k, v in e.items()} for n, e in layout.items()}
+    param_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                     "params": [index[n] for n in g["params"]]} for g in groups]
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def load_sharded(path: str, pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
+                 scaler: GradScaler | None) -> Any:
+    path = resolve(path)
+    meta = read_meta(path)
+    pipe.load_state_dict(model_state(path, meta))
+    if optimizer is not None and meta.get("optimizer") is not None:
+        load_optimizer(path, meta, pipe, optimizer)
+    if scaler is not None and meta.get("scaler") is not None:
+        scaler.load_state_dict(meta["scaler"])
+    return meta.get("extra")
+

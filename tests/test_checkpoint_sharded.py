@@ -1,0 +1,166 @@
+"""Sharded (torch.distributed.checkpoint) and asynchronous checkpoints: bitwise resume onto
+another device count, the async capture equal to a synchronous save, atomic directory
+swaps, and refusal of forged files.  (2 -> 1 replicas: tests/test_data_parallel.py.)"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+
+import pytest
+import torch
+
+import models
+from roundpipe import (CheckpointError, GradScaler, RoundPipe, RoundPipeRunConfig,
+                       load_checkpoint, save_checkpoint)
+from roundpipe import checkpoint_sharded
+
+
+def _setup(devices: int):
+    model, _, _ = models.gpt(dropout=0.1, layers=3)
+    pipe = RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32, seed=11,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    scaler = GradScaler(pipe, init_scale=2.0**4, growth_interval=2)
+    opt = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+    return pipe, opt, scaler
+
+
+def _train(pipe, opt, scaler, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, 64, (4, 8), generator=g)
+        labels = torch.randint(0, 64, (4, 8), generator=g)
+        pipe.forward_backward(input_args=(idx,), label=labels,
+                              loss_fn=lambda o, y: scaler.scale(models.lm_loss(o, y)))
+        pipe.step(lambda: scaler.step(opt))  # asynchronous
+
+
+def _final(pipe, opt):
+    pipe.synchronize()
+    out = {n: p.detach().clone() for n, p in pipe.optim_named_parameters()}
+    for i, s in opt.state_dict()["state"].items():
+        out.update({f"opt{i}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def _assert_bitwise(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.fixture(scope="module")
+def straight():
+    pipe, opt, scaler = _setup(1)
+    _train(pipe, opt, scaler, range(5))
+    out = _final(pipe, opt)
+    pipe.close()
+    return out
+
+
+def test_a_sharded_checkpoint_from_1_device_resumes_on_3_bit_exactly(tmp_path, straight):
+    pipe, opt, scaler = _setup(1)
+    _train(pipe, opt, scaler, range(3))
+    save_checkpoint(tmp_path / "ck", pipe, opt, scaler, extra={"step": 3}, sharded=True)
+    pipe.close()
+    assert os.path.isfile(tmp_path / "ck" / ".metadata")
+    pipe, opt, scaler = _setup(3)
+    assert load_checkpoint(tmp_path / "ck", pipe, opt, scaler) == {"step": 3}
+    _train(pipe, opt, scaler, range(3, 5))
+    _assert_bitwise(_final(pipe, opt), straight)
+    pipe.close()
+
+
+def test_an_async_save_captures_the_step_boundary_while_training_goes_on(tmp_path,
+                                                                        straight):
+    """Capped snapshot: part copied at once, the rest while the optimizer is held; the
+    run goes on meanwhile and the checkpoint still resumes bit for bit."""
+    pipe, opt, scaler = _setup(2)
+    _train(pipe, opt, scaler, range(3))
+    future = save_checkpoint(tmp_path / "ck", pipe, opt, scaler, extra={"step": 3},
+                             sharded=True, asynchronous=True, max_snapshot_bytes=64 * 1024)
+    _train(pipe, opt, scaler, range(3, 5))  # overlaps the write
+    future.result(timeout=120)
+    buffers = sum(b.numel() * b.element_size() for b in pipe.model.buffers())
+    assert future.held_bytes > 0 and future.snapshot_bytes <= 64 * 1024 + buffers
+    _assert_bitwise(_final(pipe, opt), straight)
+    pipe.close()
+    pipe, opt, scaler = _setup(2)
+    assert load_checkpoint(tmp_path / "ck", pipe, opt, scaler) == {"step": 3}
+    _train(pipe, opt, scaler, range(3, 5))
+    _assert_bitwise(_final(pipe, opt), straight)
+    pipe.close()
+
+
+def test_an_async_single_file_save_and_a_second_save_waits_for_the_first(tmp_path,
+                                                                        monkeypatch):
+    pipe, opt, scaler = _setup(1)
+    _train(pipe, opt, scaler, range(1))
+    gate = threading.Event()
+    import roundpipe.checkpoint as ck
+    real = ck._write_file
+    monkeypatch.setattr(ck, "_write_file", lambda p, s: (gate.wait(30), real(p, s)))
+    first = save_checkpoint(tmp_path / "a.pt", pipe, opt, asynchronous=True)
+    assert first.snapshot_bytes > 0 and not first.done()
+    threading.Timer(0.2, gate.set).start()
+    save_checkpoint(tmp_path / "b.pt", pipe, opt)  # waits for the first
+    assert first.done() and first.exception() is None
+    a = torch.load(tmp_path / "a.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "b.pt", weights_only=True)["model"]
+    _assert_bitwise(a, b)
+    pipe.close()
+
+
+def test_a_failed_sharded_save_keeps_the_old_directory(tmp_path, monkeypatch):
+    pipe, opt, _ = _setup(1)
+    save_checkpoint(tmp_path / "ck", pipe, opt, extra=1, sharded=True)
+    import torch.distributed.checkpoint as dcp
+
+    def fail(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(dcp, "save", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path / "ck", pipe, opt, extra=2)  # a directory: sharded
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert load_checkpoint(tmp_path / "ck", pipe, opt) == 1
+    pipe.close()
+
+
+def test_a_save_killed_between_the_renames_still_loads_and_is_cleaned_up(tmp_path):
+    pipe, opt, _ = _setup(1)
+    save_checkpoint(tmp_path / "ck", pipe, opt, extra=1, sharded=True)
+    # What a kill after moving the old directory aside leaves (the pid is not alive).
+    os.rename(tmp_path / "ck", tmp_path / ".ck.old-999999999-0123abcd")
+    assert load_checkpoint(tmp_path / "ck", pipe, opt) == 1
+    save_checkpoint(tmp_path / "ck", pipe, opt, extra=2, sharded=True)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert load_checkpoint(tmp_path / "ck", pipe, opt) == 2
+    pipe.close()
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_forged_dcp_metadata_or_bytes_items_are_refused_not_run(tmp_path):
+    pipe, opt, _ = _setup(1)
+    save_checkpoint(tmp_path / "ck", pipe, opt, sharded=True)
+    marker = tmp_path / "owned"
+    with open(tmp_path / "ck" / ".metadata", "wb") as f:
+        pickle.dump(_Payload(marker), f)
+    with pytest.raises(CheckpointError, match="refuses to unpickle"):
+        load_checkpoint(tmp_path / "ck", pipe, opt)
+    assert not marker.exists()
+    # A byte item would be read with torch.load(weights_only=False): refused.
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"model.lm_head.bias": {"x": _Payload(marker)}},
+             checkpoint_id=str(tmp_path / "bytes"), no_dist=True)
+    with pytest.raises(CheckpointError, match="lacks the tensor|pickled bytes"):
+        checkpoint_sharded.read_tensors(str(tmp_path / "bytes"), ["model.lm_head.bias"])
+    assert not marker.exists()
+    pipe.close()
