@@ -11,6 +11,7 @@ import importlib.metadata
 
 from .api import RoundPipe, compile
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .safetensors_export import export_weights
 from .config import RoundPipeRunConfig
 from .grad_scaler import GradScaler
 from .errors import (ConfigError, InputError, LossError, MergeError, ModelError,
@@ -55,6 +56,7 @@ __all__ = [
     "GradScaler",
     "save_checkpoint",
     "load_checkpoint",
+    "export_weights",
     "CheckpointError",
     "RoundPipeError",
     "ConfigError",

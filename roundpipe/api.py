@@ -825,6 +825,20 @@ class RoundPipe:
         # fences half open.
         return self._optimizer.run(load)
 
+    def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> Any:
+        """Save the model's weights (every step taken) for inference or fine-tuning.
+
+        A model with its own ``save_pretrained`` (Hugging Face, PEFT) is given the call,
+        with the user's ``use_cache`` in its config.  Any other module's state dict is
+        written as sharded safetensors with an index, as ``transformers`` lays them out
+        (``max_shard_size="5GB"``; needs the ``safetensors`` package, in the ``hf``
+        extra).  Returns what the model's method returns, else the files written.
+        """
+        if hasattr(self.model, "save_pretrained"):
+            return self.__getattr__("save_pretrained")(save_directory, **kwargs)
+        from .safetensors_export import save_pretrained
+        return save_pretrained(self, save_directory, **kwargs)
+
     def host_memory(self, optimizer: torch.optim.Optimizer | None = None) -> HostMemory:
         """The bytes roundpipe holds in host memory, by category, each storage counted
         once: the model's weights, masters, gradients, ``optimizer``'s state (pass the
