@@ -140,6 +140,12 @@ class RoundPipe:
             that download wait for the step (the device waits too, so the step's tail
             no longer overlaps the backward).  ``"auto"`` (default): 2 while the host
             keeps 10% of its memory available after the allocation, else 1.
+        measure_memory: measure the tensors each device holds during a call:
+            ``pipe.stats().stage_peak_bytes`` per stage, and
+            ``DeviceCounters.peak_allocated_bytes`` on virtual CPU devices (CUDA devices
+            always report their allocator's peak).  It watches every op on the devices'
+            threads, which slows small ops (see ``docs/architecture.md``).  Default:
+            ``ROUNDPIPE_MEASURE_MEMORY=1`` in the environment, else off.
 
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.
@@ -168,6 +174,7 @@ class RoundPipe:
         share_blocks: bool = True,
         compile_units: bool | str = False,
         landing_buffers: int | str = "auto",
+        measure_memory: bool | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -200,7 +207,10 @@ class RoundPipe:
         self._cache_configs = _disable_cache(model)
         object.__setattr__(self, "model", model)
         self.model_run_config = model_run_config or RoundPipeRunConfig()
-        self.devices: list[Device] = resolve_devices(devices, device_memory)
+        if measure_memory is not None and not isinstance(measure_memory, bool):
+            raise ConfigError(f"measure_memory must be True, False or None, got "
+                              f"{measure_memory!r}")
+        self.devices: list[Device] = resolve_devices(devices, device_memory, measure_memory)
         self.memory_cap = parse_bytes(memory_cap)
         if pin_memory not in PIN_MODES:
             raise ConfigError(f"pin_memory must be one of {PIN_MODES}, got {pin_memory!r}")

@@ -541,13 +541,16 @@ def _cuda_index(spec: str | torch.device) -> int | None:
 
 
 def resolve_devices(devices: Sequence[str | torch.device] | None,
-                    device_memory: int | str | None = None) -> list[Device]:
+                    device_memory: int | str | None = None,
+                    measure_memory: bool | None = None) -> list[Device]:
     """Build the device pool.
 
     ``None`` means ``ROUNDPIPE_DEVICES`` (e.g. ``cpu,cpu,cpu,cpu``) if set, else every
     visible CUDA device (``CUDA_VISIBLE_DEVICES`` is honoured by CUDA itself), else one
     virtual CPU device.  ``device_memory`` (or ``ROUNDPIPE_VIRTUAL_MEMORY``) gives virtual
-    CPU devices a capacity.
+    CPU devices a capacity.  ``measure_memory`` (default: ``ROUNDPIPE_MEASURE_MEMORY=1``)
+    measures the tensors each device holds (``DeviceCounters.peak_allocated_bytes`` on
+    virtual devices, ``RunStats.stage_peak_bytes`` on all).
     """
     source = "devices"
     if devices is None:
@@ -598,4 +601,9 @@ def resolve_devices(devices: Sequence[str | torch.device] | None,
     kinds = {d.kind for d in pool}
     if len(kinds) > 1:
         raise ConfigError(f"mixing device kinds {sorted(kinds)} is not supported")
+    if measure_memory is None:
+        measure_memory = os.environ.get("ROUNDPIPE_MEASURE_MEMORY", "").strip().lower() in (
+            "1", "true", "on", "yes")
+    for device in pool:
+        device.measure_memory = bool(measure_memory)
     return pool
