@@ -3,6 +3,7 @@ export's leaf modules)."""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -41,6 +42,12 @@ def _twin(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.M
             for table in _TABLES:
                 if table in attrs:
                     attrs[table] = attrs[table].copy()
+            # Methods set on the instance (``m.forward = MethodType(f, m)``: TRL's fused
+            # LM head, accelerate's wrappers) would run on ``m`` and its host weights:
+            # bound to the twin, they read the device's.
+            for name, value in attrs.items():
+                if isinstance(value, types.MethodType) and value.__self__ is m:
+                    attrs[name] = types.MethodType(value.__func__, twin)
             twins[id(m)] = twin
             subs = attrs["_modules"]
             for name, sub in subs.items():
