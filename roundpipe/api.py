@@ -32,6 +32,7 @@ from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devi
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.grad_landing import LANDING_BUFFERS, GradLanding
+from .runtime.grad_norm import clip_grad_norm_
 from .runtime.masters import raw_grad
 from .runtime.host_memory import DeviceCopies, HostMemory, host_memory
 from .runtime.host_state import HostState, ModelState
@@ -574,7 +575,7 @@ class RoundPipe:
 
         def commit() -> None:
             entry.host.commit(result.param_grads, result.buffers, result.grads_owned,
-                              result.grads_holdable)
+                              result.grads_holdable, result.grad_norms)
             self._stats = result.stats
             if count_call:  # a backward belongs to the forward call that was counted
                 self._calls += 1
@@ -776,6 +777,20 @@ class RoundPipe:
 
     def optim_named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return self._state.named_masters()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(pipe.optim_parameters(), ...)``, without the
+        host passes: a gradient held where it landed (``roundpipe.optim``) is not
+        converted to a float32 ``.grad``; its norm is measured on the device that made it
+        (2-norms, from the call after the first clip on) and the clip factor is applied
+        inside the optimizer's update.  Call it in ``step_fn``, before ``opt.step()``;
+        elsewhere it runs on the optimizer thread after the pending step.  Returns the
+        total norm before clipping, as torch's function does."""
+        def clip() -> torch.Tensor:
+            return clip_grad_norm_(self.optim_parameters(), max_norm, norm_type,
+                                   error_if_nonfinite)
+        return clip() if self._optimizer.on_worker else self._optimizer.run(clip)
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

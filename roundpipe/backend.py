@@ -283,6 +283,9 @@ class _GraphHost:
     def lands_in_place(self, slot: str) -> bool:
         return False  # gradients go back to autograd
 
+    def wants_grad_norms(self) -> bool:
+        return False
+
 
 class _Placement:
     """Which device runs each layer's forward, shared by every graph of one backend.

@@ -74,6 +74,11 @@ class OptimizerError(RoundPipeError, ValueError):
     """A ``roundpipe.optim`` optimizer was given something it cannot update."""
 
 
+class NonFiniteGradientError(RoundPipeError, RuntimeError):
+    """``clip_grad_norm_(..., error_if_nonfinite=True)`` found an inf/NaN total norm (a
+    RuntimeError, as torch's function raises)."""
+
+
 class OutOfMemoryError(RoundPipeError, MemoryError):
     """A stage does not fit in a device's memory."""
 

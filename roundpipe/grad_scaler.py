@@ -37,6 +37,7 @@ import torch
 
 from . import current
 from .errors import ConfigError
+from .runtime.grad_norm import held_grad_norm, scale_grad_
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import RoundPipe
@@ -166,6 +167,15 @@ class GradScaler:
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
+                    # A gradient held where it landed (roundpipe.optim) is not converted:
+                    # its norm says whether it is finite, and the optimizer's update
+                    # applies the factor.
+                    norm = held_grad_norm(p)
+                    if norm is not None:
+                        if finite and not bool(torch.isfinite(norm)):
+                            finite = False
+                        scale_grad_(p, torch.tensor(inv, dtype=torch.float64))
+                        continue
                     if p.grad is None:
                         continue
                     p.grad.mul_(inv)

@@ -52,7 +52,8 @@ class AdamW(OnePass, torch.optim.AdamW):
             moments = [state["exp_avg"], state["exp_avg_sq"]]
             if amsgrad:
                 moments.append(state["max_exp_avg_sq"])
-            items.append(kernels.Item(p, grad, moments, advance_step(state)))
+            items.append(kernels.Item(p, grad, moments, advance_step(state),
+                                      self._scale_of(p)))
         beta1, beta2 = (float(b) for b in group["betas"])
         hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                      weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),

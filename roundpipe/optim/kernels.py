@@ -29,12 +29,14 @@ CHUNK = 1 << 20
 @dataclass
 class Item:
     """One parameter's operands: ``states`` in a fixed order per optimizer (None where a
-    slot is unused), ``step`` its step-count tensor (AdamW) or None."""
+    slot is unused), ``step`` its step-count tensor (AdamW) or None; the gradient's
+    value is ``grad`` times each of ``scale`` in turn (clipping, unscaling)."""
 
     param: torch.Tensor
     grad: torch.Tensor
     states: list[torch.Tensor]
     step: torch.Tensor | None = None
+    scale: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass
@@ -90,7 +92,7 @@ def run_chunked(items: Sequence[Item], n_states: int, fused: FusedCall, scratch:
         p = item.param
         operands = [item.grad] + item.states
         contiguous = all(t.is_contiguous() for t in [p] + operands)
-        if contiguous and all(t.dtype == p.dtype for t in operands):
+        if contiguous and not item.scale and all(t.dtype == p.dtype for t in operands):
             _add(batch, p.detach(), item.grad.detach(), [t.detach() for t in item.states],
                  item.step)
             continue
@@ -99,6 +101,10 @@ def run_chunked(items: Sequence[Item], n_states: int, fused: FusedCall, scratch:
             # contiguous).
             p_c = p.contiguous()
             conv = [t.to(p.dtype, memory_format=torch.contiguous_format) for t in operands]
+            if item.scale:
+                conv[0] = conv[0].clone() if conv[0] is item.grad else conv[0]
+                for f in item.scale:
+                    conv[0].mul_(f)
             _add(batch, p_c, conv[0], conv[1:], item.step)
             batch.write_back += [(dst, src) for dst, src in [(p, p_c)] + list(
                 zip(item.states, conv[1:])) if src.data_ptr() != dst.data_ptr()]
@@ -114,9 +120,13 @@ def run_chunked(items: Sequence[Item], n_states: int, fused: FusedCall, scratch:
             views = []
             for slot, t in enumerate(flat_ops):
                 piece = t[start:stop]
-                if piece.dtype != p.dtype:
+                scaled = slot == 0 and item.scale
+                if piece.dtype != p.dtype or scaled:
                     buf = scratch.get(slot, p.dtype, chunk)[batch.used:batch.used + n]
                     buf.copy_(piece)
+                    if scaled:  # as torch's in-place multiplications of .grad would
+                        for f in item.scale:
+                            buf.mul_(f)
                     if slot > 0:
                         batch.write_back.append((piece, buf))
                     piece = buf

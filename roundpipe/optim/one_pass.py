@@ -102,13 +102,22 @@ class OnePass:
                     "the pipe's step_fn, where their weights are published afterwards: "
                     "pipe.step(lambda: (opt.step(), opt.zero_grad()))")
         # Every gradient is found and checked before anything is written.
-        work = [[(p, grad) for p in params if (grad := self._grad_of(p)) is not None]
-                for params in mine]
+        scales: dict[int, tuple[torch.Tensor, ...]] = {}
+        work = [[(p, grad) for p in params
+                 if (grad := self._grad_of(p, scales)) is not None] for params in mine]
         self._torch_step_without(mine)
-        for g, pairs in zip(groups, work):
-            if pairs:
-                self._update_group(g, pairs)
+        self._scales = scales
+        try:
+            for g, pairs in zip(groups, work):
+                if pairs:
+                    self._update_group(g, pairs)
+        finally:
+            self._scales = {}
         return loss
+
+    def _scale_of(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The factors ``p``'s gradient (held where it landed) is multiplied by."""
+        return self.__dict__.get("_scales", {}).get(id(p), ())
 
     def _torch_step_without(self, mine: list[list[torch.Tensor]]) -> None:
         """Torch's own step on every parameter this class does not handle."""
@@ -127,11 +136,17 @@ class OnePass:
             for g, k in zip(groups, kept):
                 g["params"] = k
 
-    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+    def _grad_of(self, p: torch.Tensor, scales: dict[int, tuple[torch.Tensor, ...]]
+                  ) -> torch.Tensor | None:
         """The gradient a step reads: held where it landed (a master's, in the model's
-        dtype) or ``.grad``.  It stays held, as a ``.grad`` would, until zero_grad."""
+        dtype; its factors go to ``scales``) or ``.grad``.  It stays held, as a ``.grad``
+        would, until zero_grad."""
         owner = owner_of(p)
         buffer = owner[0].peek(owner[1]) if owner is not None else None
+        if buffer is not None:
+            factors = owner[0].factors(owner[1])  # type: ignore[index]
+            if factors:
+                scales[id(p)] = factors
         grad = buffer if buffer is not None else raw_grad(p)
         if grad is not None and (grad.is_sparse or grad.shape != p.shape):
             raise OptimizerError(f"{type(self).__name__} got a gradient of shape "

@@ -41,14 +41,14 @@ class SGD(OnePass, torch.optim.SGD):
         later: list[kernels.Item] = []
         for p, grad in pairs:
             if momentum == 0:
-                later.append(kernels.Item(p, grad, []))
+                later.append(kernels.Item(p, grad, [], scale=self._scale_of(p)))
                 continue
             state = self.state[p]
             fresh = state.get("momentum_buffer") is None
             if fresh:
                 state["momentum_buffer"] = self._moment(p)
             (first if fresh else later).append(
-                kernels.Item(p, grad, [state["momentum_buffer"]]))
+                kernels.Item(p, grad, [state["momentum_buffer"]], scale=self._scale_of(p)))
         for items, is_first in ((first, True), (later, False)):
             if not items:
                 continue

@@ -138,6 +138,9 @@ class RunResult:
     # The slots whose one contribution is a download buffer the host state may hold
     # (HostView.lands_in_place): no later download reuses a buffer while it is held.
     grads_holdable: frozenset[str] = frozenset()
+    # Slot -> the 2-norm of its holdable gradient, measured on the device (float32, on
+    # the host), when the host state asked for norms (LandedGrads.wants_norms).
+    grad_norms: dict[str, torch.Tensor] = field(default_factory=dict)
     # Per microbatch, the values asked for with ``keep`` (an output tail's inputs).
     values: list[dict[str, Any]] = field(default_factory=list)
 
@@ -183,6 +186,7 @@ class _Call:
     # once it landed (GradLanding); replaces param_grads when the call succeeds.
     converted: dict[tuple[str, int], Future] = field(default_factory=dict)
     in_place: set[str] = field(default_factory=set)  # slots left in their download buffer
+    grad_norms: dict[str, torch.Tensor] = field(default_factory=dict)  # of in_place slots
     steps: list[Future] = field(default_factory=list)  # optimizer steps pending at start
     # Slot -> the tensor uploaded instead of the host's (a backward's buffers as they were
     # before its forward, see Stash).
@@ -419,7 +423,8 @@ class Executor:
                          buffers=call.buffers, input_grads=input_grads, stats=stats,
                          grads_owned=frozenset(owned), values=values,
                          grads_holdable=frozenset(s for s in call.in_place
-                                                  if len(param_grads.get(s, ())) == 1))
+                                                  if len(param_grads.get(s, ())) == 1),
+                         grad_norms=dict(call.grad_norms))
 
     def _stage_peaks(self, jobs: list[Job]) -> dict[int, int]:
         """Each measured job's own peak, by stage (owners are job indices)."""

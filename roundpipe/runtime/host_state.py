@@ -181,7 +181,8 @@ class ModelState:
 
     def commit_grads(self, grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
                      owned: frozenset[str] = frozenset(),
-                     holdable: frozenset[str] = frozenset()) -> None:
+                     holdable: frozenset[str] = frozenset(),
+                     norms: Mapping[str, torch.Tensor] | None = None) -> None:
         """Add per-unit gradients to the masters' ``.grad`` (keyed by parameter name).
 
         Contributions are folded in descending unit order (the order backward produces
@@ -190,24 +191,25 @@ class ModelState:
         dtype, and may become ``.grad`` as they are; the others are reused buffers.
         ``holdable``: names whose one contribution is a download buffer no later download
         reuses while it is held: a master a one-pass optimizer binds keeps it as is.
+        ``norms``: the 2-norms the devices measured of such contributions.
         """
         landed = self.landed
+        norms = norms or {}
         with torch.no_grad():
             for name, contributions in grads.items():
                 master = self.master(name)
                 current = raw_grad(master)
-                pending = landed.pop_landed(name)
+                pending = landed.take(name, master.dtype)
                 if (name in holdable and current is None and pending is None
                         and len(contributions) == 1 and self.has_masters
                         and landed.bound(name)):
-                    landed.hold(name, contributions[0][1])
+                    landed.hold(name, contributions[0][1], norms.get(name))
                     continue
                 total = fold_unit_grads(
                     contributions, master.dtype,
                     fresh=current is None and pending is None and name not in owned)
-                if pending is not None:  # the previous call's, still in low precision
-                    total = pending.to(master.dtype) + total
-                    landed.release(pending)
+                if pending is not None:  # the previous call's (held in low precision)
+                    total = pending + total
                 if current is None:
                     set_raw_grad(master, total)
                 else:
@@ -250,6 +252,10 @@ class HostView(Protocol):
     def has_no_grad(self, slot: str) -> bool:
         """Whether nothing holds a gradient of the slot yet (a converted gradient may
         then be handed over instead of added)."""
+
+    def wants_grad_norms(self) -> bool:
+        """Whether the devices should measure the 2-norm of each gradient that lands in
+        place (something clips or unscales held gradients)."""
 
     def lands_in_place(self, slot: str) -> bool:
         """Whether the slot's gradient, if it has one contribution, may stay in its
@@ -295,16 +301,22 @@ class HostState:
     def lands_in_place(self, slot: str) -> bool:
         return self.shared.has_masters and self.shared.landed.bound(self.specs[slot].fqn)
 
+    def wants_grad_norms(self) -> bool:
+        return self.shared.landed.wants_norms
+
     def commit(self, param_grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
                buffers: Mapping[str, torch.Tensor],
                grads_owned: frozenset[str] = frozenset(),
-               grads_holdable: frozenset[str] = frozenset()) -> None:
+               grads_holdable: frozenset[str] = frozenset(),
+               grad_norms: Mapping[str, torch.Tensor] | None = None) -> None:
         """Commit a successful call: gradients into the masters, buffer updates."""
         fqn = {s: self.specs[s].fqn for s in param_grads}
         self.shared.commit_grads({fqn[s]: g for s, g in param_grads.items()},
                                  owned=frozenset(fqn[s] for s in grads_owned if s in fqn),
                                  holdable=frozenset(fqn[s] for s in grads_holdable
-                                                    if s in fqn))
+                                                    if s in fqn),
+                                 norms={fqn[s]: n for s, n in (grad_norms or {}).items()
+                                        if s in fqn})
         with torch.no_grad():
             for slot, value in buffers.items():
                 self.tensors[slot].copy_(value)

@@ -117,6 +117,7 @@ class JobRunner:
                    for slot in self.units_by_index[unit].state
                    if (unit, slot) in self.param_leaves))
         in_place: set[str] = set()
+        norms: dict[str, torch.Tensor] = {}
         for (uid, slot), leaf in leaves:
             if leaf.grad is None or (uid, slot) in self.handed:
                 continue
@@ -128,6 +129,11 @@ class JobRunner:
             if self.call.on_grads is None and self.ex._readers[slot] == 1 and \
                     self.ex.host.lands_in_place(slot):
                 in_place.add(slot)
+                if self.ex.host.wants_grad_norms():
+                    # Measured here, so clipping and unscaling read no gradient on the
+                    # host (float32 accumulation without a float32 copy of the gradient).
+                    norm = torch._foreach_norm([leaf.grad], 2, dtype=torch.float32)[0]
+                    norms[slot] = self.device.download(norm, "grads")
         converted = {}
         # A parameter read by several units (tied weights, a shared layer) is summed by
         # the commit into a new tensor anyway: converting each contribution first would
@@ -146,6 +152,7 @@ class JobRunner:
                 self.call.param_grads.setdefault(slot, []).append((uid, g))
             self.call.converted.update(converted)
             self.call.in_place.update(in_place)
+            self.call.grad_norms.update(norms)
         return staged
 
     def _converts(self) -> bool:

@@ -11,6 +11,12 @@ one.
 full-precision ``.grad`` (which the step then reads: slower, same result), so code that
 reads or edits gradients (clipping, a GradScaler) works unchanged.
 
+Clipping and unscaling through roundpipe (``pipe.clip_grad_norm_``, ``GradScaler``) do not
+convert: they read a held gradient's norm (measured on the device as it was produced, when
+asked for) and record the factor they would have multiplied ``.grad`` by; whoever reads the
+gradient (the step's chunks, ``p.grad``, a commit that adds to it) applies the factors in
+order, as the in-place multiplications would have been.
+
 The new weight is not staged into the landing buffer for publishing: a write to the master
 through ``.data`` after the step bumps no version counter, so a staged copy could not be
 known to be stale.
@@ -87,6 +93,13 @@ class LandedGrads:
         self._lock = threading.Lock()
         self._bound: Counter[str] = Counter()
         self._landed: dict[str, torch.Tensor] = {}   # name -> pending gradient
+        # name -> factors a held gradient is multiplied by when read (clipping, unscaling)
+        self._factors: dict[str, tuple[torch.Tensor, ...]] = {}
+        # name -> the held gradient's 2-norm (float32), measured on its device
+        self._norms: dict[str, torch.Tensor] = {}
+        # Set once something asks for norms: the devices then measure each gradient that
+        # may be held, as it is downloaded.
+        self.wants_norms = False
         self._busy: dict[int, torch.Tensor] = {}   # id -> buffer no download may reuse
         # Runs a function on the thread that commits, steps and publishes (the pipe's
         # optimizer thread), after the steps already enqueued.
@@ -118,18 +131,38 @@ class LandedGrads:
         with self._lock:
             return id(buffer) in self._busy
 
-    def hold(self, name: str, buffer: torch.Tensor) -> None:
-        """Keep ``buffer`` (a call's only contribution) as ``name``'s gradient."""
+    def hold(self, name: str, buffer: torch.Tensor, norm: torch.Tensor | None = None
+             ) -> None:
+        """Keep ``buffer`` (a call's only contribution) as ``name``'s gradient; ``norm``:
+        its 2-norm, if the device measured it."""
         with self._lock:
             if name in self._landed:
                 raise RuntimeError(f"internal: {name} already holds a landed gradient")
             self._landed[name] = buffer
             self._busy[id(buffer)] = buffer
+            if norm is not None:
+                self._norms[name] = norm
 
-    def pop_landed(self, name: str) -> torch.Tensor | None:  # noqa: D401
-        """Remove ``name``'s pending gradient; the caller must :meth:`release` it."""
+    def take(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """Remove ``name``'s pending gradient and return it as a new ``dtype`` tensor,
+        its factors applied (None if none is held)."""
         with self._lock:
-            return self._landed.pop(name, None)
+            return self._take_locked(name, dtype)
+
+    def _take_locked(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        buffer = self._landed.pop(name, None)
+        factors = self._factors.pop(name, ())
+        self._norms.pop(name, None)
+        if buffer is None:
+            return None
+        try:
+            with torch.no_grad():
+                out = buffer.to(dtype, copy=True)
+                for f in factors:
+                    out.mul_(f)
+            return out
+        finally:
+            self._busy.pop(id(buffer), None)
 
     def has_landed(self, name: str) -> bool:
         with self._lock:
@@ -143,27 +176,41 @@ class LandedGrads:
     # --- the step -------------------------------------------------------------------------
     def peek(self, name: str) -> torch.Tensor | None:
         """``name``'s pending gradient, left held: as with a ``.grad``, it stays until
-        ``zero_grad()`` (a second step applies it again, as torch's would)."""
+        ``zero_grad()`` (a second step applies it again, as torch's would).  Its value
+        is this tensor times :meth:`factors`."""
         with self._lock:
             return self._landed.get(name)
+
+    def factors(self, name: str) -> tuple[torch.Tensor, ...]:
+        with self._lock:
+            return self._factors.get(name, ())
+
+    def scale(self, name: str, factor: torch.Tensor) -> None:
+        """Multiply ``name``'s held gradient by ``factor`` (a float32 scalar) when read."""
+        with self._lock:
+            if name in self._landed:
+                self._factors[name] = self._factors.get(name, ()) + (factor,)
+
+    def norm(self, name: str) -> torch.Tensor | None:
+        """The held gradient's 2-norm as measured on its device (float32, before the
+        factors), or None."""
+        with self._lock:
+            return self._norms.get(name) if name in self._landed else None
 
     # --- what p.grad sees -----------------------------------------------------------------
     def materialize(self, name: str, master: torch.Tensor) -> None:
         """Turn a landed gradient into ``master``'s full-precision ``.grad``."""
-        with self._lock:
-            buffer = self._landed.pop(name, None)
-            if buffer is None:
-                return
-            try:
-                with torch.no_grad():
-                    set_raw_grad(master, buffer.to(master.dtype, copy=True))
-            finally:
-                self._busy.pop(id(buffer), None)
+        with self._lock:  # no step may see it neither held nor set
+            grad = self._take_locked(name, master.dtype)
+            if grad is not None:
+                set_raw_grad(master, grad)
 
     def discard(self, name: str) -> bool:
         """``name``'s gradient was set to None or replaced; whether one was held."""
         with self._lock:
             buffer = self._landed.pop(name, None)
+            self._factors.pop(name, None)
+            self._norms.pop(name, None)
             if buffer is not None:
                 self._busy.pop(id(buffer), None)
             return buffer is not None
