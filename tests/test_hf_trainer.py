@@ -1,0 +1,226 @@
+"""``roundpipe.hf.RoundPipeTrainer`` against plain ``transformers.Trainer`` (and TRL's
+``SFTTrainer``): the same logged losses, gradient norms, learning rates and weights with
+exact steps; a bitwise resume in a fresh process; LoRA through ``peft_config``; and the
+arguments refused at construction."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_models as hf
+
+from transformers import Trainer, TrainingArguments  # hf_models skips without it
+
+from roundpipe.hf import RoundPipeTrainer, TrainerArgumentError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PIPE = dict(devices=["cpu"] * 2, num_microbatch=2, optim_dtype=torch.float32)
+STEPS = 6
+
+
+def _rows(n: int = 24, seq: int = 12, seed: int = 0, ragged: bool = True) -> list[dict]:
+    """Token rows with right padding of varying length (labels -100 there)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(6, seq + 1, (), generator=g)) if ragged else seq
+        ids = torch.randint(1, hf.VOCAB, (seq,), generator=g)
+        mask = (torch.arange(seq) < length).long()
+        rows.append(dict(input_ids=ids, attention_mask=mask,
+                         labels=ids.masked_fill(mask == 0, -100)))
+    return rows
+
+
+def _args(out: str, **overrides) -> TrainingArguments:
+    options = dict(output_dir=out, max_steps=STEPS, per_device_train_batch_size=4,
+                   learning_rate=1e-2, lr_scheduler_type="linear", optim="adamw_torch",
+                   logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+                   disable_tqdm=True)
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def _model(dropout: float = 0.0) -> torch.nn.Module:
+    model = hf.build("llama")
+    for module in model.modules():  # attention dropout: the keyed streams must resume too
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = dropout
+    return model
+
+
+def _logged(trainer: Trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if "loss" in h]
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.mark.parametrize("accumulation,clip,loss_kwargs", [(1, 0.0, True), (2, 0.5, False)])
+def test_exact_steps_log_what_plain_trainer_logs(tmp_path, accumulation, clip, loss_kwargs):
+    """Same model, data, seed, AdamW and linear schedule: the losses, gradient norms and
+    learning rates of 6 steps, the final weights and predict()'s loss and logits.  With
+    ``loss_kwargs`` the model normalises its loss by Trainer's token count (the
+    microbatches' losses add up); without, it returns a mean per call, which the pipe
+    weights by each microbatch's share of the tokens."""
+    args = dict(gradient_accumulation_steps=accumulation, max_grad_norm=clip)
+    data, held_out = _rows(), _rows(8, seed=1)
+
+    def model() -> torch.nn.Module:
+        m = _model()
+        m.accepts_loss_kwargs = loss_kwargs  # what Trainer reads to pass num_items_in_batch
+        return m
+
+    plain = Trainer(model=model(), args=_args(str(tmp_path / "plain"), **args),
+                    train_dataset=data)
+    plain.train()
+    piped = RoundPipeTrainer(model=model(), args=_args(str(tmp_path / "pipe"), **args),
+                             train_dataset=data, pipe_options=PIPE, async_step=False)
+    assert piped.model_accepts_loss_kwargs is loss_kwargs
+    piped.train()
+
+    for key in ("loss", "grad_norm", "learning_rate"):
+        want, got = _logged(plain, key), _logged(piped, key)
+        assert len(got) == STEPS, key
+        assert max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, (key, got, want)
+    # The steps did change the loss (a run that never stepped would fail above too).
+    assert len(set(_logged(piped, "loss"))) == STEPS
+    if clip:  # clipping acted: unclipped norms above it
+        assert max(_logged(piped, "grad_norm")) > clip
+    # Adam divides by sqrt(v): a gradient element near zero that differs in its last bits
+    # moves its weight by up to lr; a wrong step would move every weight by about lr.
+    want = dict(plain.model.named_parameters())
+    for name, p in piped.model.named_parameters():  # synchronized by train()
+        assert torch.allclose(p, want[name], rtol=0, atol=5e-3 * 1e-2), name
+
+    # Prediction runs through pipe.forward: the whole batch's loss and logits.
+    ref, out = plain.predict(held_out), piped.predict(held_out)
+    assert _rel(out.metrics["test_loss"], ref.metrics["test_loss"]) <= 1e-5
+    assert torch.allclose(torch.as_tensor(out.predictions), torch.as_tensor(ref.predictions),
+                          rtol=1e-4, atol=1e-5)
+
+
+def _resume_run(out: str, checkpoint: str | None) -> RoundPipeTrainer:
+    trainer = RoundPipeTrainer(
+        model=_model(dropout=0.1),
+        args=_args(out, save_strategy="steps", save_steps=3, gradient_accumulation_steps=2),
+        train_dataset=_rows(), pipe_options=dict(PIPE, devices=["cpu"] * 3), async_step=True)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return trainer
+
+
+def test_resume_from_a_checkpoint_in_a_fresh_process_is_bitwise(tmp_path):
+    """Asynchronous steps, dropout, accumulation: 6 steps in one go, and steps 4-6 again in
+    another process from the checkpoint of step 3: the same losses and weights, bit for
+    bit."""
+    whole = _resume_run(str(tmp_path / "whole"), None)
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    assert (checkpoint / "roundpipe.pt").is_file() and (checkpoint / "optimizer.pt").is_file()
+    result = tmp_path / "resumed.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path / "resumed"),
+                           str(checkpoint), str(result)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(result.read_text())
+    assert len(resumed["losses"]) == STEPS  # 1-3 from the checkpoint, 4-6 run again
+    assert resumed["losses"] == _logged(whole, "loss")
+    weights = torch.load(tmp_path / "resumed" / "weights.pt")
+    for name, p in whole.model.state_dict().items():
+        assert torch.equal(weights[name], p), name
+
+
+def test_sft_trainer_with_lora_trains_the_adapters_only(tmp_path):
+    """TRL's SFTTrainer with peft_config: the same losses as plain SFTTrainer; the base
+    weights stay as they were, the adapters move."""
+    import trl  # in the test extra
+    from datasets import Dataset
+    from peft import LoraConfig
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from roundpipe.hf import RoundPipeSFTTrainer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{chr(40 + i): i for i in range(3, hf.VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    rows = Dataset.from_list([{"input_ids": r["input_ids"].tolist()}
+                              for r in _rows(16, ragged=False)])
+
+    def run(cls, **extra):
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
+                                            eos_token="<eos>", unk_token="<unk>")
+        args = trl.SFTConfig(output_dir=str(tmp_path / cls.__name__), max_steps=3,
+                             per_device_train_batch_size=4, learning_rate=1e-2, bf16=False,
+                             optim="adamw_torch", logging_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=True, disable_tqdm=True)
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                          target_modules=["q_proj", "v_proj"])
+        model = _model()
+        base = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = cls(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
+                      peft_config=lora, **extra)
+        adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+                    if p.requires_grad}
+        trainer.train()
+        return trainer, base, adapters
+
+    plain, _, _ = run(trl.SFTTrainer)
+    piped, base, adapters = run(RoundPipeSFTTrainer, pipe_options=PIPE, async_step=False)
+    want, got = _logged(plain, "loss"), _logged(piped, "loss")
+    assert len(got) == 3 and max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, (got, want)
+    assert adapters and all("lora_" in n for n in adapters)
+    params = dict(piped.model.named_parameters())
+    for name, before in adapters.items():
+        if "lora_A" in name:  # B starts at zero; A moves once B does
+            assert not torch.equal(params[name], before), name
+    for name, p in piped.model.get_base_model().named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, base[name.replace(".base_layer", "")]), name
+
+
+def test_what_cannot_run_on_a_pipe_is_refused_at_construction(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TrainerArgumentError) as error:
+        RoundPipeTrainer(model=model, train_dataset=_rows(),
+                         args=_args(str(tmp_path), torch_compile=True,
+                                    auto_find_batch_size=True, neftune_noise_alpha=5.0,
+                                    per_device_train_batch_size=1),
+                         optimizers=(opt, None), pipe_options=PIPE)
+    message = str(error.value)
+    for name in ("torch_compile", "auto_find_batch_size", "neftune_noise_alpha",
+                 "optimizers", "per_device_train_batch_size=1", "num_microbatch=2"):
+        assert name in message, name
+    assert "compile_units=True" in message  # the way out
+    with pytest.raises(TrainerArgumentError, match="optim='adafactor'|optim"):
+        RoundPipeTrainer(model=model, args=_args(str(tmp_path), optim="lion_32bit"),
+                         train_dataset=_rows(), pipe_options=PIPE)
+    from roundpipe import UnknownConfigFieldError
+    with pytest.raises(UnknownConfigFieldError, match="num_microbatches"):
+        RoundPipeTrainer(model=model, args=_args(str(tmp_path)), train_dataset=_rows(),
+                         pipe_options=dict(num_microbatches=2))
+
+
+def test_import_roundpipe_leaves_transformers_alone():
+    code = ("import sys, roundpipe; assert 'transformers' not in sys.modules; "
+            "assert 'trl' not in sys.modules")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+if __name__ == "__main__":  # the resumed half of the resume test, in a fresh process
+    out, checkpoint, result = sys.argv[1:]
+    trainer = _resume_run(out, checkpoint)
+    with open(result, "w") as f:
+        json.dump({"losses": _logged(trainer, "loss")}, f)
+    torch.save(trainer.model.state_dict(), os.path.join(out, "weights.pt"))
