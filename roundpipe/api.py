@@ -26,7 +26,8 @@ from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
 from .passes.dtype_check import mixed_dtype_op
 from .passes.output_merge import plan_output_merge
-from .plan import InputSignature, OutputMergePlan, StagePlan
+from . import host_step
+from .plan import HostStepEstimate, InputSignature, OutputMergePlan, StagePlan
 from .runtime.call import autocast_state, memory_cap, microbatch_keys
 from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
@@ -273,7 +274,32 @@ class RoundPipe:
             raise RoundPipeError(
                 "the model has not been compiled yet: call forward()/forward_backward() "
                 "once, or use roundpipe.compile(model, example_args=...)")
-        return self._current.plan
+        plan = self._current.plan
+        if any(s.kind == "fused" for s in plan.stages) and self._state.named_masters():
+            plan = dataclasses.replace(plan, host_step=self.host_step_estimate())
+        return plan
+
+    def host_step_estimate(self, optimizer: torch.optim.Optimizer | None = None
+                           ) -> HostStepEstimate:
+        """The host's share of a training step (landing, optimizer update, publish),
+        estimated from the bytes it moves per parameter and the host's memory bandwidth
+        (measured once per process), beside the plan's device time per step.
+        ``optimizer``: the one ``step_fn`` runs (default: a ``roundpipe.optim``
+        optimizer bound to this pipe, else torch's AdamW is assumed).  ``pipe.plan``
+        shows it in its summary."""
+        if self._current is None:
+            raise RoundPipeError("the model has not been compiled yet: call "
+                                 "forward_backward() once, or roundpipe.compile(...)")
+        if optimizer is None:
+            optimizer = next(iter(self._state.landed.optimizers), None)
+        named = self._state.named_masters()
+        params = sum(m.numel() for _, m in named)
+        model = self.model.get_parameter(named[0][0]) if named else None
+        model_bytes = model.element_size() if model is not None else 4
+        master_bytes = (named[0][1].element_size() if named and self._state.has_masters
+                        else None)
+        return host_step.estimate(optimizer, params, model_bytes, master_bytes,
+                                  self._current.plan.est_step_time_s)
 
     @property
     def plans(self) -> tuple[StagePlan, ...]:

@@ -262,6 +262,34 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
+class HostStepEstimate:
+    """The host's share of a training step (landing, update, publish), from the bytes
+    it moves per parameter and the host's measured memory bandwidth."""
+
+    optimizer: str          # the optimizer it was estimated for
+    assumed: bool           # True: none was known, torch's AdamW was assumed
+    params: int             # trainable parameters
+    bytes_per_param: float  # host bytes read and written per parameter per step
+    bandwidth: float        # bytes per second (STREAM triad, this process)
+    seconds: float          # params * bytes_per_param / bandwidth
+    device_seconds: float   # the plan's estimated device time per step
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the host step outlasts the devices' step, so it is not hidden."""
+        return self.seconds > self.device_seconds
+
+    def __str__(self) -> str:
+        verdict = ("the host is the bottleneck: more tokens per step (docs/guide.md) "
+                   "would hide it" if self.host_bound else "hidden behind the devices")
+        return (f"host step {_fmt_time(self.seconds)} per step ({self.optimizer}"
+                + (", assumed" if self.assumed else "")
+                + f": {self.bytes_per_param:.0f} B/param x {_fmt_count(self.params)} at "
+                f"{self.bandwidth / 1e9:.1f} GB/s) beside {_fmt_time(self.device_seconds)} "
+                f"on the devices: {verdict}")
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """The compiled plan: layer units, their costs, the stages, and the programs.
 
@@ -281,6 +309,8 @@ class StagePlan:
     est_step_time_s: float
     passes: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # Filled by RoundPipe.plan for training plans (runtime facts: optimizer, bandwidth).
+    host_step: HostStepEstimate | None = None
 
     # --- views -------------------------------------------------------------------------
     @property
@@ -355,6 +385,7 @@ class StagePlan:
             f"{self.num_microbatch} microbatches\nlargest stage {self.bottleneck_ratio:.2f}x "
             f"the ideal balance; device memory needed {self.device_memory_bytes / MiB:.1f} MiB"
             + (f" (cap {self.memory_cap / MiB:.1f} MiB per stage)" if self.memory_cap else "")
+            + (f"\n{self.host_step}" if self.host_step is not None else "")
             + (f"\nunit names without their common prefix {prefix!r}" if prefix else "")
         )
 
@@ -375,6 +406,8 @@ class StagePlan:
             "trace_method": self.program.trace_method,
             "passes": list(self.passes),
             "notes": list(self.notes),
+            "host_step": (dataclasses.asdict(self.host_step)
+                          if self.host_step is not None else None),
             "units": [dataclasses.asdict(u) for u in self.units],
             "costs": [dataclasses.asdict(c) for c in self.costs],
             "stages": [dataclasses.asdict(s) for s in self.stages],
@@ -387,6 +420,13 @@ def _module_code(module: torch.nn.Module, title: str) -> str:
         return f"# {title}: {type(module).__name__} (not a GraphModule)"
     body = "\n".join("    " + line for line in code.strip("\n").splitlines() if line.strip())
     return f"class {title}(torch.nn.Module):\n{body}"
+
+
+def _fmt_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit} parameters"
+    return f"{n} parameters"
 
 
 def _fmt_time(seconds: float) -> str:

@@ -13,6 +13,7 @@ import torch.nn as nn
 import models
 import roundpipe
 from compiled import compiled
+from roundpipe import RoundPipe
 from roundpipe.compiler import PlanOptions, compile_model, make_plan
 from roundpipe.errors import ConfigError, PartitionError
 from roundpipe.passes.cost import DeviceModel
@@ -244,3 +245,52 @@ def test_roundpipe_compile_returns_a_pipe_with_a_plan():
 ])
 def test_compact_unit_names(names, expected):
     assert compact_unit_names(names) == expected
+
+
+def test_host_step_estimate_counts_the_bytes_of_each_configuration():
+    """Host bytes per parameter per step: landing (bf16 -> fp32 .grad: 2 + 4), update
+    (gradient 4 or 2 where it landed, master 4 + 4, each state 4 + 4 or 2 + 2), publish
+    (fp32 -> bf16: 4 + 2); without masters no publish, and the .grad is the model's."""
+    import roundpipe.optim
+    from roundpipe.host_step import bytes_per_param
+    p = [torch.nn.Parameter(torch.zeros(4))]
+    cases = [
+        (torch.optim.AdamW(p), 2, 4, 6 + 4 + 8 + 16 + 6),
+        (torch.optim.AdamW(p, amsgrad=True), 2, 4, 6 + 4 + 8 + 24 + 6),
+        (torch.optim.SGD(p, lr=1, momentum=0.9), 2, 4, 6 + 4 + 8 + 8 + 6),
+        (torch.optim.SGD(p, lr=1), 2, 4, 6 + 4 + 8 + 6),
+        (roundpipe.optim.AdamW(p), 2, 4, 2 + 8 + 16 + 6),
+        (roundpipe.optim.AdamW(p, state_dtype=torch.bfloat16), 2, 4, 2 + 8 + 8 + 6),
+        (roundpipe.optim.SGD(p, lr=1, momentum=0.9), 2, 4, 2 + 8 + 8 + 6),
+        (torch.optim.AdamW(p), 4, None, 8 + 4 + 8 + 16),
+        (None, 2, 4, 40),  # torch's AdamW assumed
+    ]
+    for opt, model_bytes, master_bytes, expected in cases:
+        assert bytes_per_param(opt, model_bytes, master_bytes) == expected, opt
+
+
+def test_plan_summary_gives_the_host_step_beside_the_device_time():
+    import roundpipe.optim
+    from roundpipe.plan import HostStepEstimate
+    model, args, kwargs = models.gpt(layers=2)
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+    with RoundPipe(model.to(torch.bfloat16), devices=["cpu"] * 2,
+                   optim_dtype=torch.float32) as pipe:
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        assumed = pipe.plan.host_step
+        assert assumed.assumed and assumed.bytes_per_param == 40
+        n = sum(m.numel() for m in pipe.optim_parameters())
+        assert assumed.params == n
+        assert assumed.seconds == pytest.approx(n * 40 / assumed.bandwidth)
+        assert assumed.device_seconds == pipe.plan.est_step_time_s
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-3)
+        bound = pipe.plan.host_step
+        assert not bound.assumed and bound.optimizer == "roundpipe.optim.AdamW"
+        assert bound.bytes_per_param == 32
+        assert "host step" in str(pipe.plan) and str(bound) in pipe.plan.summary()
+        assert pipe.plan.to_dict()["host_step"]["bytes_per_param"] == 32
+        del opt
+    slow = HostStepEstimate("AdamW", False, 10**9, 40, 20e9, 2.0, 1.0)
+    fast = HostStepEstimate("AdamW", False, 10**9, 40, 20e9, 2.0, 3.0)
+    assert slow.host_bound and "bottleneck" in str(slow)
+    assert not fast.host_bound and "hidden" in str(fast)

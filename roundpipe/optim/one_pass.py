@@ -68,6 +68,7 @@ class OnePass:
                     "differentiable=True and capturable=True do not apply to a pipe's "
                     "masters (host tensors updated outside autograd); leave them False")
             owner[0].bind(owner[1])
+            owner[0].optimizers.add(self)
             self._bindings.append(owner)
 
     #: parameter dtypes the fused kernel is right for (torch's own step takes the rest)
@@ -226,6 +227,7 @@ class OnePass:
                 if owner is not None and not any(
                         b[0] is owner[0] and b[1] == owner[1] for b in self._bindings):
                     owner[0].bind(owner[1])
+                    owner[0].optimizers.add(self)
                     self._bindings.append(owner)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -100,6 +100,8 @@ class LandedGrads:
         # Set once something asks for norms: the devices then measure each gradient that
         # may be held, as it is downloaded.
         self.wants_norms = False
+        # The roundpipe.optim optimizers bound here (their step is what the host runs).
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self._busy: dict[int, torch.Tensor] = {}   # id -> buffer no download may reuse
         # Runs a function on the thread that commits, steps and publishes (the pipe's
         # optimizer thread), after the steps already enqueued.

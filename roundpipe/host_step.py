@@ -1,0 +1,92 @@
+"""How long the host's share of a training step takes, estimated from bytes moved.
+
+Per step the host converts the landed gradients (or reads them where they landed), runs
+the optimizer's update and publishes the new weights: memory-bound passes whose bytes per
+parameter depend on the optimizer and the dtypes.  Divided by the host's memory bandwidth
+(a STREAM-triad probe, measured once per process) and multiplied by the trainable
+parameters, that is the time the asynchronous step needs; when it exceeds the devices'
+time per step, the host is the bottleneck and more tokens per step would hide it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from .plan import HostStepEstimate
+
+log = logging.getLogger(__name__)
+
+#: elements per array of the bandwidth probe: 3 x 64 MiB, beyond any cache
+_PROBE_ELEMENTS = 1 << 24
+
+
+@functools.lru_cache(maxsize=1)
+def host_bandwidth() -> float:
+    """The host's memory bandwidth in bytes per second: STREAM triad ``a = b + s * c``
+    with torch's threads, median of 3 (measured once per process, ~0.1-0.5 s)."""
+    a, b, c = (torch.rand(_PROBE_ELEMENTS) for _ in range(3))
+    torch.add(b, c, alpha=3.0, out=a)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        times.append(time.perf_counter() - t)
+    bandwidth = 3 * a.numel() * a.element_size() / statistics.median(times)
+    log.info("roundpipe: host memory bandwidth (triad) %.1f GB/s", bandwidth / 1e9)
+    return bandwidth
+
+
+def _states(optimizer: Any) -> tuple[int, str]:
+    """(state tensors per parameter, a name) of a torch-style optimizer; None stands
+    for torch's AdamW."""
+    if optimizer is None:
+        return 2, "AdamW"
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.SGD):
+        return (1 if group.get("momentum", 0) else 0), name
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return (3 if group.get("amsgrad") else 2), name
+    return 2, name + " (taken as 2 state tensors per parameter)"
+
+
+def bytes_per_param(optimizer: Any, model_bytes: int, master_bytes: int | None) -> float:
+    """Host bytes read and written per trainable parameter per step.
+
+    ``model_bytes``: the model's element size (2 for bf16); ``master_bytes``: the
+    masters' (4 for fp32), None without masters (the optimizer updates the model's
+    parameters, nothing is published)."""
+    from .optim.one_pass import OnePass
+    n_states, _ = _states(optimizer)
+    master = master_bytes if master_bytes is not None else model_bytes
+    one_pass = isinstance(optimizer, OnePass) and master_bytes is not None
+    state = master
+    if isinstance(optimizer, OnePass) and optimizer.state_dtype is not None:
+        state = optimizer.state_dtype.itemsize
+    if one_pass:  # the landed gradient is read in the update itself
+        landing, grad = 0, model_bytes
+    else:  # the landing converts it into a .grad, which the update reads
+        landing, grad = model_bytes + master, master
+    update = grad + 2 * master + 2 * state * n_states
+    publish = master + model_bytes if master_bytes is not None else 0
+    return float(landing + update + publish)
+
+
+def estimate(optimizer: Any, params: int, model_bytes: int, master_bytes: int | None,
+             device_seconds: float) -> HostStepEstimate:
+    """The host step of ``optimizer`` (None: torch's AdamW, assumed) on ``params``
+    trainable parameters, beside the devices' ``device_seconds`` per step."""
+    bpp = bytes_per_param(optimizer, model_bytes, master_bytes)
+    _, name = _states(optimizer)
+    if type(optimizer).__module__.startswith("roundpipe.optim"):
+        name = f"roundpipe.optim.{name}"
+    bandwidth = host_bandwidth()
+    return HostStepEstimate(optimizer=name, assumed=optimizer is None, params=params,
+                            bytes_per_param=bpp, bandwidth=bandwidth,
+                            seconds=params * bpp / bandwidth, device_seconds=device_seconds)
