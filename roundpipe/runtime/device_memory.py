@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import threading
 import weakref
 from typing import Any, Hashable, Iterator
@@ -26,7 +25,6 @@ from typing import Any, Hashable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-log = logging.getLogger(__name__)
 
 # op -> per return: whether it is a new tensor (no alias annotation: not a view, not the
 # written input of an in-place or out= op)
