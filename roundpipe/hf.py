@@ -331,6 +331,7 @@ class RoundPipeTrainerMixin:
         # batch-size scaling stay off, as for a model placed across devices.
         self.args._n_gpu = 1
         self._train_batch_size = self.args.per_device_train_batch_size
+        self._prepare_model_for_pipe()
         self.pipe = RoundPipe(self.model, model_run_config=run_config, **pipe_kwargs)
         if self._async_step and not self.pipe._state.has_masters:
             # Without masters the optimizer updates the weights the next call reads: the
@@ -338,6 +339,9 @@ class RoundPipeTrainerMixin:
             # step() must not race it.
             log.info("roundpipe: optim_dtype=None (no masters): steps run synchronously")
             self._async_step = False
+
+    def _prepare_model_for_pipe(self) -> None:
+        """Called once the trainer has set up ``self.model``, before the pipe wraps it."""
 
     # --- placement: the model stays in host memory -----------------------------------------
     def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
@@ -559,12 +563,9 @@ class RoundPipeTrainer(RoundPipeTrainerMixin, transformers.Trainer):
 def __getattr__(name: str) -> Any:
     # TRL is optional: RoundPipeSFTTrainer is built on first use.
     if name == "RoundPipeSFTTrainer":
-        from trl import SFTTrainer
+        from ._trl import make_sft_trainer
 
-        cls = type("RoundPipeSFTTrainer", (RoundPipeTrainerMixin, SFTTrainer), {
-            "__doc__": "TRL's ``SFTTrainer`` on a :class:`~roundpipe.RoundPipe` (LoRA "
-                       "through ``peft_config`` included).",
-            "__module__": __name__})
+        cls = make_sft_trainer(RoundPipeTrainerMixin, TrainerArgumentError)
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

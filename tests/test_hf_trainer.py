@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import hf_models as hf
+import roundpipe
 
 from transformers import Trainer, TrainingArguments  # hf_models skips without it
 
@@ -62,14 +63,22 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("accumulation,clip,loss_kwargs", [(1, 0.0, True), (2, 0.5, False)])
-def test_exact_steps_log_what_plain_trainer_logs(tmp_path, accumulation, clip, loss_kwargs):
+@pytest.mark.parametrize("accumulation,clip,loss_kwargs,one_pass",
+                         [(1, 0.0, True, False), (2, 0.5, False, True)])
+def test_exact_steps_log_what_plain_trainer_logs(tmp_path, accumulation, clip, loss_kwargs,
+                                                 one_pass):
     """Same model, data, seed, AdamW and linear schedule: the losses, gradient norms and
     learning rates of 6 steps, the final weights and predict()'s loss and logits.  With
     ``loss_kwargs`` the model normalises its loss by Trainer's token count (the
     microbatches' losses add up); without, it returns a mean per call, which the pipe
-    weights by each microbatch's share of the tokens."""
+    weights by each microbatch's share of the tokens.  ``one_pass``: the pipe steps with
+    roundpipe.optim.AdamW, plain Trainer with torch's fused AdamW (equal bit for bit)."""
     args = dict(gradient_accumulation_steps=accumulation, max_grad_norm=clip)
+    extra = {}
+    if one_pass:
+        args["optim"] = "adamw_torch_fused"
+        extra["optimizer_cls_and_kwargs"] = (roundpipe.optim.AdamW, dict(
+            lr=1e-2, betas=(0.9, 0.999), eps=1e-8))
     data, held_out = _rows(), _rows(8, seed=1)
 
     def model() -> torch.nn.Module:
@@ -81,7 +90,7 @@ def test_exact_steps_log_what_plain_trainer_logs(tmp_path, accumulation, clip, l
                     train_dataset=data)
     plain.train()
     piped = RoundPipeTrainer(model=model(), args=_args(str(tmp_path / "pipe"), **args),
-                             train_dataset=data, pipe_options=PIPE, async_step=False)
+                             train_dataset=data, pipe_options=PIPE, async_step=False, **extra)
     assert piped.model_accepts_loss_kwargs is loss_kwargs
     piped.train()
 
@@ -98,6 +107,9 @@ def test_exact_steps_log_what_plain_trainer_logs(tmp_path, accumulation, clip, l
     want = dict(plain.model.named_parameters())
     for name, p in piped.model.named_parameters():  # synchronized by train()
         assert torch.allclose(p, want[name], rtol=0, atol=5e-3 * 1e-2), name
+
+    stepped = piped.optimizer.optimizer.inner  # accelerate's wrapper, then the pipe's
+    assert type(stepped) is (roundpipe.optim.AdamW if one_pass else torch.optim.AdamW)
 
     # Prediction runs through pipe.forward: the whole batch's loss and logits.
     ref, out = plain.predict(held_out), piped.predict(held_out)
@@ -177,6 +189,9 @@ def test_sft_trainer_with_lora_trains_the_adapters_only(tmp_path):
     want, got = _logged(plain, "loss"), _logged(piped, "loss")
     assert len(got) == 3 and max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, (got, want)
     assert adapters and all("lora_" in n for n in adapters)
+    # TRL's fused head is replaced by a traceable one: the model is cut into stages.
+    plan = piped.pipe.plan
+    assert len(plan.stages) > 1 and not any("opaque" in note for note in plan.notes)
     params = dict(piped.model.named_parameters())
     for name, before in adapters.items():
         if "lora_A" in name:  # B starts at zero; A moves once B does
