@@ -75,6 +75,16 @@ def test_ledger_adopt_moves_bytes_between_owners():
     assert ledger.owner_peaks() == {} and ledger.peak_bytes() == 4000
 
 
+def test_ledger_counts_what_a_higher_order_op_returns():
+    ledger = StorageLedger("cpu")
+    x = torch.randn(1000)
+    out = _watched(ledger, lambda: torch.cond(x.sum() > 0, lambda a: a * 2,
+                                              lambda a: a * 3, (x,)))
+    assert ledger.live_bytes() == 4000
+    del out
+    assert ledger.live_bytes() == 0
+
+
 class BigInside(nn.Module):
     """A block that makes one known tensor, uses it through several views and an in-place
     op, and keeps nothing of it."""

@@ -23,6 +23,7 @@ import weakref
 from typing import Any, Hashable, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -169,6 +170,10 @@ class StorageLedger:
 class _Watch(TorchDispatchMode):
     """Enters the storages of the new tensors every op on this thread returns."""
 
+    # Higher-order ops (torch.cond, flex attention) come here too, rather than failing
+    # for want of a rule; the ops inside them run unwatched (see __torch_dispatch__).
+    supports_higher_order_operators = True
+
     def __init__(self, ledger: StorageLedger, owner: Hashable) -> None:
         super().__init__()
         self.ledger = ledger
@@ -179,6 +184,15 @@ class _Watch(TorchDispatchMode):
                            ) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.paused:
+            return out
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            # No schema to read: whatever it returns outside its inputs' storages is new
+            # (its temporaries inside are not seen).
+            inputs = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                    self.ledger.add(t, self.owner)
             return out
         fresh = _fresh_returns(func)
         if isinstance(out, torch.Tensor):
