@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -112,6 +113,31 @@ def save_file_async(path: str, state: dict[str, Any],
     return future
 
 
+class _StagingPool:
+    """Buffers for the tensors copied while the optimizer is held, reused once the writer
+    has dropped the copy: fresh allocations per tensor were not returned to the system
+    (the process grew by most of the held bytes, not by one tensor)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        with self._lock:
+            free = self._free.setdefault(nbytes, [])
+            buf = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
+        # Exactly the tensor's bytes: DCP copies a tensor whose storage is larger.
+        out = buf.view(t.dtype).view(t.shape) if t.numel() else t.clone()
+        out.copy_(t)
+        weakref.finalize(out, self._give_back, nbytes, buf)
+        return out
+
+    def _give_back(self, nbytes: int, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free[nbytes].append(buf)
+
+
 def save_sharded_async(path: str, pipe: RoundPipe, collected: Collected, group: Any,
                        max_snapshot_bytes: int | None) -> CheckpointSave:
     """Capture ``collected`` (see the module's docstring) and write it in the background."""
@@ -142,11 +168,12 @@ def save_sharded_async(path: str, pipe: RoundPipe, collected: Collected, group: 
         pipe._optimizer.submit(lambda: (held.set(), released.wait()))
     remaining = set(deferred)
     remaining_lock = threading.Lock()
+    pool = _StagingPool()
 
     def resolve(key: str, t: torch.Tensor) -> torch.Tensor:
         if key not in deferred:
             return t
-        copy = t.clone()
+        copy = pool.copy(t)
         with remaining_lock:
             remaining.discard(key)
             if not remaining:
