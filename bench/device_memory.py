@@ -57,11 +57,13 @@ def llama_case(batch: int = 8, seq: int = 64) -> tuple[torch.nn.Module, tuple, t
     return model, (x,), torch.randint(0, 512, (batch, seq))
 
 
-def pipe_for(case: Callable, devices: int, microbatches: int, measure: bool) -> Any:
+def pipe_for(case: Callable, devices: int, microbatches: int, measure: bool,
+             grain: str = "stage") -> Any:
     model, args, labels = case()
     pipe = roundpipe.compile(model, args, devices=["cpu"] * devices,
                              measure_memory=measure,
-                             model_run_config=RoundPipeRunConfig(num_microbatch=microbatches))
+                             model_run_config=RoundPipeRunConfig(num_microbatch=microbatches,
+                                                                 recompute_grain=grain))
     return pipe, args, labels
 
 
@@ -87,7 +89,7 @@ def overhead(steps: int) -> None:
         pipe.close()
 
 
-def ratios() -> None:
+def ratios(grain: str) -> None:
     """Per stage: the estimate, the measured peak and their ratio; then the estimate's
     parts (weights, gradients, activations) against the measured peak less the same
     weights and gradients (what the job held besides them)."""
@@ -97,7 +99,7 @@ def ratios() -> None:
     for name, case in (("gpt", gpt_case), ("llama", llama_case)):
         for devices in (1, 4):
             for mb in (1, 4):
-                pipe, args, labels = pipe_for(case, devices, mb, True)
+                pipe, args, labels = pipe_for(case, devices, mb, True, grain)
                 step(pipe, args, labels)
                 stats, plan = pipe.stats(), pipe.plan
                 for spec in plan.stages:
@@ -122,11 +124,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--what", choices=("overhead", "ratios", "both"), default="both")
     parser.add_argument("--steps", type=int, default=6, help="timed rounds (overhead)")
+    parser.add_argument("--grain", choices=("stage", "layer"), default="stage",
+                        help="recompute grain (ratios)")
     args = parser.parse_args()
     if args.what in ("overhead", "both"):
         overhead(args.steps)
     if args.what in ("ratios", "both"):
-        ratios()
+        ratios(args.grain)
 
 
 if __name__ == "__main__":
