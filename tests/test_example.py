@@ -43,3 +43,20 @@ def test_finetune_hf_example_runs_and_reports_progress():
     first, last = out.split("loss: first")[1].split("->")
     assert float(first.split()[-1]) > float(last.split()[3]) > 0  # it learns
     assert "1 compiled program(s) for 8 batches" in out  # lengths vary, shapes are dynamic
+
+
+def test_finetune_trainer_example_runs_through_transformers_trainer(tmp_path):
+    """RoundPipeTrainer in the example: a few steps on two virtual CPU devices, Trainer's
+    own logs, then the plan and a held-out evaluation through the pipe."""
+    pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "finetune_trainer.py"), "--steps",
+         "6", "--devices", "2", "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "LlamaForCausalLM on cpu:0, cpu:1, asynchronous steps" in out
+    assert "fused" in out and "'loss':" in out  # the plan, and Trainer's log lines
+    first, last = out.split("train loss: first log")[1].split(",")[0].split("->")
+    assert float(first) > float(last.split()[-1]) > 0  # it learns
+    assert float(out.split("held-out loss:")[1].split()[0]) > 0
