@@ -18,6 +18,7 @@ flight.  A background save that fails logs the error and raises it from its futu
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from concurrent.futures import Future
@@ -56,8 +57,18 @@ def wait_for_saves() -> None:
             pass
 
 
+def _lower_priority() -> None:
+    """Let training threads run first when the cores are busy: the write can wait, the
+    step should not (Linux sets a nice value per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: write at normal priority
+        pass
+
+
 def _run(future: CheckpointSave, name: str, work: Callable[[], None]) -> None:
     def body() -> None:
+        _lower_priority()
         try:
             work()
         except BaseException as e:  # noqa: BLE001 - handed to the future
