@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_gpt import GPT  # noqa: E402
+from train_gpt import GPT
 
-import roundpipe  # noqa: E402
-from roundpipe import RoundPipeRunConfig  # noqa: E402
+import roundpipe
+from roundpipe import RoundPipeRunConfig
 
 MiB = 2**20
 

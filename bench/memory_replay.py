@@ -38,10 +38,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import device_memory as cases  # noqa: E402  (bench/device_memory.py)
+import device_memory as cases
 
-from roundpipe.runtime import executor as executor_module  # noqa: E402
-from roundpipe.runtime.device_memory import StorageLedger  # noqa: E402
+from roundpipe.runtime import executor as executor_module
+from roundpipe.runtime.device_memory import StorageLedger
 
 BAND = (0.95, 1.15)
 

@@ -26,7 +26,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
 # op -> per return: whether it is a new tensor (no alias annotation: not a view, not the
 # written input of an in-place or out= op)
 _FRESH: dict[Any, tuple[bool, ...]] = {}
