@@ -96,6 +96,9 @@ class GradScaler:
         self._pipe: RoundPipe | None = None
         self._lock = threading.Lock()
         self.skipped_steps = 0
+        # optimizer id -> (step version, finite, scale) of an unscale_ whose step() has
+        # not run yet
+        self._unscaled: dict[int, tuple[int | None, bool, float]] = {}
         if pipe is not None:
             self._bind(pipe)
 
@@ -140,8 +143,24 @@ class GradScaler:
         return loss / self.get_scale()
 
     # --- used in step_fn (optimizer thread) ----------------------------------------------
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale their calls used, as
+        ``torch.amp.GradScaler.unscale_`` does: in ``step_fn``, before clipping, e.g.
+        ``scaler.unscale_(opt); pipe.clip_grad_norm_(1.0); scaler.step(opt)``.  The
+        following :meth:`step` does not unscale again (and skips the step if a
+        gradient was inf/NaN)."""
+        if not self.enabled:
+            return
+        version, scale = self._running_scale("unscale_", pop=False)
+        earlier = self._unscaled.get(id(optimizer))
+        if earlier is not None and earlier[0] == version:
+            raise ConfigError("unscale_() was already called on this optimizer since its "
+                              "last step(); call it once per step")
+        self._unscaled[id(optimizer)] = (version, self._unscale(optimizer, scale), scale)
+
     def step(self, optimizer: torch.optim.Optimizer, zero_grad: bool = True) -> bool:
-        """Unscale the gradients, step unless one is inf/NaN, update the scale.
+        """Unscale the gradients (unless :meth:`unscale_` did), step unless one is
+        inf/NaN, update the scale.
 
         Returns True if the optimizer stepped.
         """
@@ -150,18 +169,44 @@ class GradScaler:
             if zero_grad:
                 optimizer.zero_grad()
             return True
+        version, scale = self._running_scale("step", pop=True)
+        unscaled = self._unscaled.pop(id(optimizer), None)
+        if unscaled is not None and unscaled[0] == version:  # (not a failed step's)
+            _, finite, scale = unscaled
+        else:
+            finite = self._unscale(optimizer, scale)
+        if finite:
+            optimizer.step()
+        else:
+            self.skipped_steps += 1
+            log.info("roundpipe: GradScaler skipped a step (inf/NaN gradients at scale %g)",
+                     scale)
+        if zero_grad:
+            optimizer.zero_grad()
+        self._update(finite, scale)
+        return finite
+
+    def _running_scale(self, method: str, pop: bool) -> tuple[int | None, float]:
+        """The running step's version and the scale its calls were made with."""
         pipe = self._bound()
         if pipe is None:
             raise ConfigError(
-                "GradScaler.step(opt) runs outside any pipe's step: call it inside "
-                "pipe.step(lambda: scaler.step(opt)), or make the scaler with GradScaler(pipe)")
+                f"GradScaler.{method}(opt) runs outside any pipe's step: call it inside "
+                f"pipe.step(lambda: scaler.{method}(opt)), or make the scaler with "
+                "GradScaler(pipe)")
         version = pipe.running_step
         with self._lock:
-            scale = self._step_scales.pop(version, self._visible) if version is not None \
-                else self._visible
+            if version is None:
+                return None, self._visible
+            scale = (self._step_scales.pop(version, self._visible) if pop
+                     else self._step_scales.get(version, self._visible))
             # Steps before this one that never called scaler.step leave their entry behind.
-            for stale in [v for v in self._step_scales if version is not None and v < version]:
+            for stale in [v for v in self._step_scales if v < version]:
                 del self._step_scales[stale]
+        return version, scale
+
+    def _unscale(self, optimizer: torch.optim.Optimizer, scale: float) -> bool:
+        """Multiply the gradients by 1/scale; whether all are finite."""
         inv = 1.0 / scale
         finite = True
         with torch.no_grad():
@@ -181,15 +226,6 @@ class GradScaler:
                     p.grad.mul_(inv)
                     if finite and not bool(torch.isfinite(p.grad).all()):
                         finite = False
-        if finite:
-            optimizer.step()
-        else:
-            self.skipped_steps += 1
-            log.info("roundpipe: GradScaler skipped a step (inf/NaN gradients at scale %g)",
-                     scale)
-        if zero_grad:
-            optimizer.zero_grad()
-        self._update(finite, scale)
         return finite
 
     def _update(self, finite: bool, scale: float) -> None:

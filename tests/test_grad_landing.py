@@ -276,3 +276,22 @@ def test_what_is_kept_between_calls_is_at_most_one_gradient_set():
     assert any(slot == frozen for _, slot in kept)
     assert pipe._landing._spare and not any(slot == frozen for _, slot in pipe._landing._spare)
     pipe.close()
+
+
+def test_auto_landing_reads_a_containers_memory_limit(tmp_path, monkeypatch):
+    """Inside a container /proc/meminfo shows the whole machine: "auto" must compare
+    with the cgroup's limit and headroom where they are smaller."""
+    from roundpipe.runtime import grad_landing
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text(f"{8 * 2**30}\n")
+    usage.write_text(f"{7 * 2**30}\n")
+    monkeypatch.setattr(grad_landing, "_CGROUP_FILES", ((str(limit), str(usage)),))
+    monkeypatch.setattr(grad_landing, "_MEMORY_CACHE", [0.0, None])
+    total, available = grad_landing._host_memory()
+    assert (total, available) == (8 * 2**30, 2**30)
+    assert grad_landing._affordable(2**20)          # 1023 MiB left of 8 GiB: > 10%
+    monkeypatch.setattr(grad_landing, "_MEMORY_CACHE", [0.0, None])
+    assert not grad_landing._affordable(300 * 2**20)  # 724 MiB left: < 10%
+    limit.write_text("max\n")  # no limit: the machine's figures
+    monkeypatch.setattr(grad_landing, "_MEMORY_CACHE", [0.0, None])
+    assert grad_landing._host_memory()[0] != 8 * 2**30

@@ -143,11 +143,10 @@ class OnePass:
         dtype; its factors go to ``scales``) or ``.grad``.  It stays held, as a ``.grad``
         would, until zero_grad."""
         owner = owner_of(p)
-        buffer = owner[0].peek(owner[1]) if owner is not None else None
-        if buffer is not None:
-            factors = owner[0].factors(owner[1])  # type: ignore[index]
-            if factors:
-                scales[id(p)] = factors
+        buffer, factors = (owner[0].peek_with_factors(owner[1]) if owner is not None
+                           else (None, ()))
+        if buffer is not None and factors:
+            scales[id(p)] = factors
         grad = buffer if buffer is not None else raw_grad(p)
         if grad is not None and (grad.is_sparse or grad.shape != p.shape):
             raise OptimizerError(f"{type(self).__name__} got a gradient of shape "

@@ -187,6 +187,7 @@ class _Call:
     converted: dict[tuple[str, int], Future] = field(default_factory=dict)
     in_place: set[str] = field(default_factory=set)  # slots left in their download buffer
     grad_norms: dict[str, torch.Tensor] = field(default_factory=dict)  # of in_place slots
+    measure_norms: bool = False  # read once at the start (HostView.wants_grad_norms)
     steps: list[Future] = field(default_factory=list)  # optimizer steps pending at start
     # Slot -> the tensor uploaded instead of the host's (a backward's buffers as they were
     # before its forward, see Stash).
@@ -300,7 +301,8 @@ class Executor:
             store=[dict(x) for x in inputs], grads=[{} for _ in range(num_mb)],
             labels=labels, loss_fn=loss_fn, want_outputs=want_outputs,
             fence_version=fence_version, carries=carries, abort=threading.Event(),
-            done={}, losses=[None] * num_mb, autocast=autocast, steps=self.landing.steps())
+            done={}, losses=[None] * num_mb, autocast=autocast, steps=self.landing.steps(),
+            measure_norms=self.host.wants_grad_norms())
 
     def _carries(self, grad_inputs: frozenset[str]) -> frozenset[str]:
         """Values through which gradients flow: those depending on a trainable parameter

@@ -179,16 +179,50 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _affordable(nbytes: int) -> bool:
-    """Whether ``nbytes`` more leave the host ``HOST_MARGIN`` of its memory available
-    (Linux's MemAvailable; elsewhere, unknown: yes)."""
+    """Whether ``nbytes`` more leave ``HOST_MARGIN`` of the memory this process may use
+    available (unknown: yes)."""
+    memory = _host_memory()
+    if memory is None:
+        return True
+    total, available = memory
+    return available - nbytes >= HOST_MARGIN * total
+
+
+#: (limit, usage) files of a container's memory cgroup: v2, then v1
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                  "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+_MEMORY_CACHE: list = [0.0, None]  # [when, (total, available)]: re-read at most 4x/s
+
+
+def _host_memory() -> tuple[int, int] | None:
+    """(total, available) bytes for this process: Linux's MemTotal/MemAvailable, or a
+    container's cgroup limit and headroom where smaller (a container's /proc/meminfo
+    shows the whole machine)."""
+    now = time.monotonic()
+    if now - _MEMORY_CACHE[0] < 0.25:
+        return _MEMORY_CACHE[1]
+    result: tuple[int, int] | None = None
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
                     if line.startswith(("MemTotal:", "MemAvailable:"))}
-        total, available = info["MemTotal"], info["MemAvailable"]
+        result = (info["MemTotal"], info["MemAvailable"])
     except (OSError, KeyError, ValueError, IndexError):
-        return True
-    return available - nbytes >= HOST_MARGIN * total
+        pass
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and (result is None or int(limit) < result[0]):
+            result = (int(limit), max(0, int(limit) - usage))
+        break
+    _MEMORY_CACHE[:] = [now, result]
+    return result
 
 
 def _unshared(t: torch.Tensor) -> bool:

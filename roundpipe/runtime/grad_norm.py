@@ -30,11 +30,13 @@ def held_grad_norm(p: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor | No
     if owner is None:
         return None
     landed, name = owner
-    buffer = landed.peek(name)
+    buffer, factors = landed.peek_with_factors(name)
     if buffer is None:
         return None
-    landed.wants_norms = True  # from the next call on, the devices measure them
-    measured = landed.norm(name) if norm_type == 2.0 else None
+    measured = None
+    if norm_type == 2.0:
+        landed.norms_requested = True  # the devices measure them (see LandedGrads)
+        measured = landed.norm(name)
     if measured is not None:
         norm = measured.to(p.dtype)
     else:
@@ -43,7 +45,7 @@ def held_grad_norm(p: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor | No
                   for i in range(0, flat.numel(), _PIECE)] or [torch.zeros((), dtype=p.dtype)]
         stacked = torch.stack(pieces)
         norm = stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
-    for f in landed.factors(name):
+    for f in factors:
         norm = (norm * (f != 0)) if norm_type == 0 else norm * f.abs()
     return norm
 
@@ -52,8 +54,10 @@ def scale_grad_(p: torch.Tensor, factor: torch.Tensor) -> None:
     """Multiply ``p``'s gradient by ``factor`` (a 0-dim tensor): recorded for a held
     gradient, in place for a ``.grad``."""
     owner = owner_of(p)
-    if owner is not None and owner[0].peek(owner[1]) is not None:
-        owner[0].scale(owner[1], factor.to(p.dtype))
+    # Low-precision masters keep the factor in float32 (1/scale of a loss scale would
+    # underflow in fp16), as torch multiplies by a Python float in float32.
+    dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+    if owner is not None and owner[0].scale(owner[1], factor.to(dtype)):
         return
     grad = raw_grad(p)
     if grad is not None:

@@ -195,6 +195,8 @@ class ModelState:
         """
         landed = self.landed
         norms = norms or {}
+        if landed.norms_requested:  # the step that asked is done: calls from now on
+            landed.wants_norms = True
         with torch.no_grad():
             for name, contributions in grads.items():
                 master = self.master(name)

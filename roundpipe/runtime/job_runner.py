@@ -129,10 +129,8 @@ class JobRunner:
             if self.call.on_grads is None and self.ex._readers[slot] == 1 and \
                     self.ex.host.lands_in_place(slot):
                 in_place.add(slot)
-                if self.ex.host.wants_grad_norms():
-                    # Measured here, so clipping and unscaling read no gradient on the
-                    # host (float32 accumulation without a float32 copy of the gradient).
-                    norm = torch._foreach_norm([leaf.grad], 2, dtype=torch.float32)[0]
+                norm = _grad_norm(leaf.grad) if self.call.measure_norms else None
+                if norm is not None:  # clipping and unscaling then read no gradient
                     norms[slot] = self.device.download(norm, "grads")
         converted = {}
         # A parameter read by several units (tied weights, a shared layer) is summed by
@@ -517,3 +515,13 @@ def _check_loss(loss: Any, mb: int) -> None:
             "(reduce it, e.g. with .mean() or .sum())"
         )
 
+
+def _grad_norm(grad: torch.Tensor) -> torch.Tensor | None:
+    """The 2-norm of a parameter gradient, on its device: a half-precision one
+    accumulated in float32 without a float32 copy of it, any other real one in its own
+    dtype; None for a complex one (the host computes it)."""
+    if grad.dtype in (torch.float16, torch.bfloat16):
+        return torch._foreach_norm([grad], 2, dtype=torch.float32)[0]
+    if grad.is_floating_point():
+        return torch.linalg.vector_norm(grad)
+    return None

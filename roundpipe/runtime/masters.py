@@ -97,8 +97,12 @@ class LandedGrads:
         self._factors: dict[str, tuple[torch.Tensor, ...]] = {}
         # name -> the held gradient's 2-norm (float32), measured on its device
         self._norms: dict[str, torch.Tensor] = {}
-        # Set once something asks for norms: the devices then measure each gradient that
-        # may be held, as it is downloaded.
+        # Once something asked for norms (norms_requested), the next commit turns them
+        # on (wants_norms): calls that start from then on measure each gradient that may
+        # be held, as it is downloaded.  Switching at a commit, which follows the step
+        # that asked, makes the first measuring call the same whatever the timing (a
+        # measured norm and one computed on the host differ in the last bits).
+        self.norms_requested = False
         self.wants_norms = False
         # The roundpipe.optim optimizers bound here (their step is what the host runs).
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
@@ -176,6 +180,13 @@ class LandedGrads:
                 self._busy.pop(id(buffer), None)
 
     # --- the step -------------------------------------------------------------------------
+    def peek_with_factors(self, name: str
+                          ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        """:meth:`peek` and :meth:`factors` at once (a ``p.grad`` read on another thread
+        cannot come between them)."""
+        with self._lock:
+            return self._landed.get(name), self._factors.get(name, ())
+
     def peek(self, name: str) -> torch.Tensor | None:
         """``name``'s pending gradient, left held: as with a ``.grad``, it stays until
         ``zero_grad()`` (a second step applies it again, as torch's would).  Its value
@@ -187,11 +198,14 @@ class LandedGrads:
         with self._lock:
             return self._factors.get(name, ())
 
-    def scale(self, name: str, factor: torch.Tensor) -> None:
-        """Multiply ``name``'s held gradient by ``factor`` (a float32 scalar) when read."""
+    def scale(self, name: str, factor: torch.Tensor) -> bool:
+        """Multiply ``name``'s held gradient by ``factor`` (a 0-dim tensor) when read;
+        False if none is held (any more: the caller multiplies ``.grad`` then)."""
         with self._lock:
-            if name in self._landed:
-                self._factors[name] = self._factors.get(name, ()) + (factor,)
+            if name not in self._landed:
+                return False
+            self._factors[name] = self._factors.get(name, ()) + (factor,)
+            return True
 
     def norm(self, name: str) -> torch.Tensor | None:
         """The held gradient's 2-norm as measured on its device (float32, before the
