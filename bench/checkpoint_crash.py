@@ -41,6 +41,8 @@ _CHILD = textwrap.dedent("""
     from roundpipe import RoundPipe, save_checkpoint
     path, start, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     sharded = sys.argv[4] == "1"
+    if sharded:
+        import torch.distributed.checkpoint  # imported before "ready": it takes seconds
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
     with RoundPipe(model, devices=["cpu"]) as pipe:
         print("ready", flush=True)
@@ -119,11 +121,12 @@ def main() -> None:
         save_generation(path, args.width, 0, args.sharded)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path)
                    for f in fs) if args.sharded else os.path.getsize(path)
-        start, torn, newer, bad = 1, 0, 0, 0
+        start, torn, newer, bad, swapping = 1, 0, 0, 0, 0
         for k in range(args.kills):
             reported, on_disk, mid_write = kill_during_saves(path, start, args.width, rng,
                                                              sharded=args.sharded)
             torn += mid_write
+            swapping += not os.path.lexists(path)  # killed between a sharded save's renames
             newer += on_disk == reported + 1
             bad += on_disk not in (reported, reported + 1)
             print(f"kill {k + 1}/{args.kills}: saves reported {reported}, on disk "
@@ -135,7 +138,8 @@ def main() -> None:
     print(f"{args.kills} kills of a process saving {size / 2**20:.0f} MiB {kind} checkpoints: "
           f"{torn} hit a write in progress, {bad} left a checkpoint that was neither the "
           f"last reported save nor the next ({newer} had the rename land unreported); "
-          f"temporary files left after the next save: {len(leftovers)}")
+          f"temporary files left after the next save: {len(leftovers)}"
+          + (f"; {swapping} killed between the renames of the swap" if args.sharded else ""))
     if bad or leftovers:
         sys.exit(1)
 
