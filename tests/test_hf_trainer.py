@@ -118,8 +118,23 @@ def test_exact_steps_log_what_plain_trainer_logs(tmp_path, accumulation, clip, l
                           rtol=1e-4, atol=1e-5)
 
 
+class _RecordingTrainer(RoundPipeTrainer):
+    """Records the learning rate each step ran with, on the pipe's optimizer thread."""
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        inner, self.used_lr = optimizer.inner, []
+        step = inner.step
+
+        def recording_step(*args, **kwargs):
+            self.used_lr.append(inner.param_groups[0]["lr"])
+            return step(*args, **kwargs)
+        inner.step = recording_step
+        return optimizer
+
+
 def _resume_run(out: str, checkpoint: str | None) -> RoundPipeTrainer:
-    trainer = RoundPipeTrainer(
+    trainer = _RecordingTrainer(
         model=_model(dropout=0.1),
         args=_args(out, save_strategy="steps", save_steps=3, gradient_accumulation_steps=2),
         train_dataset=_rows(), pipe_options=dict(PIPE, devices=["cpu"] * 3), async_step=True)
@@ -132,6 +147,10 @@ def test_resume_from_a_checkpoint_in_a_fresh_process_is_bitwise(tmp_path):
     another process from the checkpoint of step 3: the same losses and weights, bit for
     bit."""
     whole = _resume_run(str(tmp_path / "whole"), None)
+    # Each asynchronous step ran with the learning rate of its own time, though the
+    # scheduler had moved on when it ran.
+    assert whole.used_lr == _logged(whole, "learning_rate")
+    assert len(set(whole.used_lr)) == STEPS
     checkpoint = tmp_path / "whole" / "checkpoint-3"
     assert (checkpoint / "roundpipe.pt").is_file() and (checkpoint / "optimizer.pt").is_file()
     result = tmp_path / "resumed.json"
