@@ -199,8 +199,10 @@ def write(path: str, collected: Collected, group: Any,
                     data = resolve(write_item.index.fqn, data)
                 return data
 
-        dcp.save(collected.tensors, storage_writer=FileSystemWriter(temp_dir, sync_files=True),
-                 planner=_Planner(), process_group=group, no_dist=group is None)
+        with _dcp_errors("writing", temp_dir):
+            dcp.save(collected.tensors, planner=_Planner(), process_group=group,
+                     storage_writer=FileSystemWriter(temp_dir, sync_files=True),
+                     no_dist=group is None)
         if rank == 0:
             write_atomically(os.path.join(temp_dir, META_FILE),
                              lambda f: torch.save(collected.meta, f))
@@ -216,6 +218,21 @@ def write(path: str, collected: Collected, group: Any,
         _WRITING.discard(temp_dir)
     if rank == 0:
         _remove_stale(directory, name)
+
+
+@contextlib.contextmanager
+def _dcp_errors(action: str, path: str) -> Any:
+    """DCP wraps every failure in a ``CheckpointException``, a ``BaseException`` that
+    ``except Exception`` misses: raise the first underlying error instead."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        yield
+    except CheckpointException as e:
+        for failure in e.failures.values():
+            error = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(error, Exception):
+                raise error from None
+        raise CheckpointError(f"{action} {path!r} failed: {e}") from e
 
 
 def _swap_in(temp_dir: str, path: str) -> None:
@@ -305,8 +322,9 @@ def read_tensors(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
                                   "incomplete or not roundpipe's")
         out[key] = torch.empty(md.size, dtype=md.properties.dtype)
     if out:
-        dcp.load(out, storage_reader=SafeFileSystemReader(path),
-                 planner=TensorOnlyLoadPlanner(), no_dist=True)
+        with _dcp_errors("reading", path):
+            dcp.load(out, storage_reader=SafeFileSystemReader(path),
+                     planner=TensorOnlyLoadPlanner(), no_dist=True)
     return out
 
 

@@ -115,11 +115,11 @@ def test_an_async_single_file_save_and_a_second_save_waits_for_the_first(tmp_pat
 def test_a_failed_sharded_save_keeps_the_old_directory(tmp_path, monkeypatch):
     pipe, opt, _ = _setup(1)
     save_checkpoint(tmp_path / "ck", pipe, opt, extra=1, sharded=True)
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
     def fail(*a, **k):
         raise OSError("disk full")
-    monkeypatch.setattr(dcp, "save", fail)
+    monkeypatch.setattr(FileSystemWriter, "write_data", fail)  # DCP wraps it: unwrapped
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path / "ck", pipe, opt, extra=2)  # a directory: sharded
     assert sorted(os.listdir(tmp_path)) == ["ck"]
@@ -160,7 +160,17 @@ def test_forged_dcp_metadata_or_bytes_items_are_refused_not_run(tmp_path):
     import torch.distributed.checkpoint as dcp
     dcp.save({"model.lm_head.bias": {"x": _Payload(marker)}},
              checkpoint_id=str(tmp_path / "bytes"), no_dist=True)
-    with pytest.raises(CheckpointError, match="lacks the tensor|pickled bytes"):
+    with pytest.raises(CheckpointError, match="lacks the tensor"):
         checkpoint_sharded.read_tensors(str(tmp_path / "bytes"), ["model.lm_head.bias"])
+    # Past that check, DCP's own planner would unpickle a byte item: ours refuses.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from roundpipe.checkpoint_safe_dcp import SafeFileSystemReader, TensorOnlyLoadPlanner
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"model.lm_head.bias.x": torch.zeros(1)},
+                 storage_reader=SafeFileSystemReader(str(tmp_path / "bytes")),
+                 planner=TensorOnlyLoadPlanner(), no_dist=True)
+    errors = [f[0] if isinstance(f, tuple) else f for f in info.value.failures.values()]
+    assert any(isinstance(e, CheckpointError) and "pickled bytes" in str(e) for e in errors)
     assert not marker.exists()
     pipe.close()
