@@ -31,7 +31,6 @@ validation losses with each run's gap to eager's.
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import math
