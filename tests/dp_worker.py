@@ -224,17 +224,19 @@ def zero_checkpoint(rank: int, world: int, path: str) -> dict[str, Any]:
 
 def sharded_checkpoint(rank: int, world: int, path: str) -> dict[str, Any]:
     """ZeroRedundancyOptimizer, summed gradients (= one process with 2 microbatches): an
-    asynchronous sharded checkpoint after step 2, each replica writing its own shard; the
+    asynchronous, capped sharded checkpoint after step 2, each replica writing its own shard; the
     test loads it into one process (2 -> 1 replicas) for step 3."""
     pipe = replica(rank, 1, reduction="sum", bucket_bytes="16KiB")
     opt = rd.zero_optimizer(pipe, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-3)
     train(pipe, opt, [0, 1], rank, world, models.lm_loss, is_async=True)
+    # Capped: most of the state is copied late, while the optimizer thread (and ZeRO's
+    # collectives on it) waits for the writer.
     future = roundpipe.save_checkpoint(path, pipe, opt, extra={"step": 2}, sharded=True,
-                                       asynchronous=True)
+                                       asynchronous=True, max_snapshot_bytes=64 * 1024)
     losses = train(pipe, opt, [2], rank, world, models.lm_loss, is_async=True)  # overlaps
     future.result(timeout=120)
     out = {"losses": losses, "state": state(pipe), "path": path,
-           "files": sorted(os.listdir(path))}
+           "files": sorted(os.listdir(path)), "held": future.held_bytes}
     pipe.close()
     return out
 

@@ -173,6 +173,7 @@ def test_a_sharded_checkpoint_of_2_replicas_resumes_in_1_process_bit_exactly(lau
     per_rank = launches["equivalence"].scenario("sharded_checkpoint")
     for r in per_rank:
         _assert_states_equal(r["state"], want, exact=True)
+    assert all(r["held"] > 0 for r in per_rank)  # the capped capture's late copies ran
     # Each replica wrote one data file: its optimizer shard (and half the model).
     assert [f for f in per_rank[0]["files"] if f.endswith(".distcp")] == [
         "__0_0.distcp", "__1_0.distcp"]
