@@ -12,6 +12,7 @@ with ``weights_only=True``), so a byte item in one of its checkpoints is a forge
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
@@ -55,6 +56,14 @@ class SafeFileSystemReader(FileSystemReader):
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} does not hold DCP metadata "
                                   f"(found {type(metadata).__name__})")
+        for info in (metadata.storage_data or {}).values():
+            name = getattr(info, "relative_path", "")
+            if not isinstance(name, str) or os.path.basename(name) != name \
+                    or name in ("", ".", ".."):
+                raise CheckpointError(
+                    f"the checkpoint's DCP metadata points at {name!r}, outside its "
+                    "directory; roundpipe reads only the checkpoint's own files (the "
+                    "metadata may be forged)")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -156,8 +156,18 @@ def test_forged_dcp_metadata_or_bytes_items_are_refused_not_run(tmp_path):
     with pytest.raises(CheckpointError, match="refuses to unpickle"):
         load_checkpoint(tmp_path / "ck", pipe, opt)
     assert not marker.exists()
-    # A byte item would be read with torch.load(weights_only=False): refused.
+    # Metadata that points at a file outside the directory.
+    save_checkpoint(tmp_path / "ck", pipe, opt, sharded=True)
     import torch.distributed.checkpoint as dcp
+    from roundpipe.checkpoint_safe_dcp import SafeFileSystemReader
+    metadata = SafeFileSystemReader(str(tmp_path / "ck")).read_metadata()
+    for info in metadata.storage_data.values():
+        info.relative_path = "../elsewhere.distcp"
+    with open(tmp_path / "ck" / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(CheckpointError, match="outside its directory"):
+        load_checkpoint(tmp_path / "ck", pipe, opt)
+    # A byte item would be read with torch.load(weights_only=False): refused.
     dcp.save({"model.lm_head.bias": {"x": _Payload(marker)}},
              checkpoint_id=str(tmp_path / "bytes"), no_dist=True)
     with pytest.raises(CheckpointError, match="lacks the tensor"):
@@ -165,7 +175,7 @@ def test_forged_dcp_metadata_or_bytes_items_are_refused_not_run(tmp_path):
     # Past that check, DCP's own planner would unpickle a byte item: ours refuses.
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from roundpipe.checkpoint_safe_dcp import SafeFileSystemReader, TensorOnlyLoadPlanner
+    from roundpipe.checkpoint_safe_dcp import TensorOnlyLoadPlanner
     with pytest.raises(CheckpointException) as info:
         dcp.load({"model.lm_head.bias.x": torch.zeros(1)},
                  storage_reader=SafeFileSystemReader(str(tmp_path / "bytes")),
