@@ -181,6 +181,13 @@ def write(path: str, collected: Collected, group: Any,
     if os.path.isfile(path):
         raise CheckpointError(f"{path!r} is a single-file checkpoint; a sharded save needs "
                               "a directory path: pass another path or remove the file")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, META_FILE)):
+        entries = os.listdir(path)
+        if entries:  # the swap would delete them
+            raise CheckpointError(
+                f"{path!r} is a directory of {len(entries)} entries that is not a roundpipe "
+                "checkpoint, and a sharded save replaces the whole directory: pass a new "
+                f"path, e.g. {os.path.join(path, 'checkpoint')!r}")
     temp = [os.path.join(directory, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")]
     if group is not None:
         dist.broadcast_object_list(temp, src=dist.get_global_rank(group, 0), group=group)

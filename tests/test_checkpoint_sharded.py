@@ -127,6 +127,17 @@ def test_a_failed_sharded_save_keeps_the_old_directory(tmp_path, monkeypatch):
     pipe.close()
 
 
+def test_a_sharded_save_never_replaces_a_directory_of_other_files(tmp_path):
+    pipe, opt, _ = _setup(1)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="not a roundpipe checkpoint"):
+        save_checkpoint(tmp_path / "run", pipe, opt)  # an existing directory: sharded
+    assert (tmp_path / "run" / "log.txt").read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+    pipe.close()
+
+
 def test_a_save_killed_between_the_renames_still_loads_and_is_cleaned_up(tmp_path):
     pipe, opt, _ = _setup(1)
     save_checkpoint(tmp_path / "ck", pipe, opt, extra=1, sharded=True)
