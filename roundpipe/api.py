@@ -80,6 +80,9 @@ class _Compiled:
     merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
     # Plans (and their executors) by (memory cap, num_microbatch, recompute grain).
     by_cap: dict[tuple, tuple[StagePlan, Executor]] = field(default_factory=dict)
+    # The plan as users see it (with its host step), by (plan, bound optimizer): the
+    # same object until either changes.
+    shown: tuple[tuple[int, int], StagePlan] | None = None
 
 
 class RoundPipe:
@@ -274,10 +277,16 @@ class RoundPipe:
             raise RoundPipeError(
                 "the model has not been compiled yet: call forward()/forward_backward() "
                 "once, or use roundpipe.compile(model, example_args=...)")
-        plan = self._current.plan
-        if any(s.kind == "fused" for s in plan.stages) and self._state.named_masters():
-            plan = dataclasses.replace(plan, host_step=self.host_step_estimate())
-        return plan
+        entry = self._current
+        plan = entry.plan
+        if not (any(s.kind == "fused" for s in plan.stages) and self._state.named_masters()):
+            return plan
+        bound = next(iter(self._state.landed.optimizers), None)
+        key = (id(plan), id(bound))
+        if entry.shown is None or entry.shown[0] != key:
+            entry.shown = (key, dataclasses.replace(
+                plan, host_step=self.host_step_estimate(bound)))
+        return entry.shown[1]
 
     def host_step_estimate(self, optimizer: torch.optim.Optimizer | None = None
                            ) -> HostStepEstimate:
@@ -462,7 +471,7 @@ class RoundPipe:
         entry.executor = Executor(new, entry.host, self.devices, self._landing,
                                   self.compile_units)
         entry.by_cap = {_plan_key(new, "stage"): (entry.plan, entry.executor)}
-        return new
+        return self.plan if self._current is entry else new
 
     # --- calls ---------------------------------------------------------------------------
     def _config(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:

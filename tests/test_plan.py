@@ -289,6 +289,7 @@ def test_plan_summary_gives_the_host_step_beside_the_device_time():
         assert bound.bytes_per_param == 32
         assert "host step" in str(pipe.plan) and str(bound) in pipe.plan.summary()
         assert pipe.plan.to_dict()["host_step"]["bytes_per_param"] == 32
+        assert pipe.plan is pipe.plan  # one object until the plan or optimizer changes
         del opt
     slow = HostStepEstimate("AdamW", False, 10**9, 40, 20e9, 2.0, 1.0)
     fast = HostStepEstimate("AdamW", False, 10**9, 40, 20e9, 2.0, 3.0)
