@@ -467,10 +467,9 @@ class RoundPipeTrainerMixin:
 
     # --- training's end, saving and resuming ---------------------------------------------
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            self.pipe.synchronize()  # the model holds the trained weights afterwards
+        result = super().train(*args, **kwargs)
+        self.pipe.synchronize()  # the model holds the trained weights afterwards
+        return result
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is None:
@@ -514,7 +513,8 @@ class _NormOfNextStep:
 
     def value(self) -> float | None:
         optimizer = self.trainer.optimizer
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        while not isinstance(optimizer, PipeOptimizer) and hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer  # accelerate's wrapper (twice after two train())
         norm = getattr(optimizer, "grad_norm", None)
         if norm is None:
             return None

@@ -137,7 +137,7 @@ def _resume_run(out: str, checkpoint: str | None) -> RoundPipeTrainer:
     trainer = _RecordingTrainer(
         model=_model(dropout=0.1),
         args=_args(out, save_strategy="steps", save_steps=3, gradient_accumulation_steps=2),
-        train_dataset=_rows(), pipe_options=dict(PIPE, devices=["cpu"] * 3), async_step=True)
+        train_dataset=_rows(), pipe_options=PIPE, async_step=True)
     trainer.train(resume_from_checkpoint=checkpoint)
     return trainer
 
