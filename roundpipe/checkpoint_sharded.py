@@ -181,7 +181,8 @@ def write(path: str, collected: Collected, group: Any,
     if os.path.isfile(path):
         raise CheckpointError(f"{path!r} is a single-file checkpoint; a sharded save needs "
                               "a directory path: pass another path or remove the file")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, META_FILE)):
+    ours = all(os.path.isfile(os.path.join(path, f)) for f in (META_FILE, ".metadata"))
+    if os.path.isdir(path) and not ours:
         entries = os.listdir(path)
         if entries:  # the swap would delete them
             raise CheckpointError(
@@ -307,8 +308,10 @@ def read_meta(path: str) -> dict[str, Any]:
                               f"({type(e).__name__}: {e}); save it with "
                               "roundpipe.save_checkpoint") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        hint = (f": it holds a one-file checkpoint, load {meta_path!r}"
+                if isinstance(meta, dict) and "model" in meta else "")
         raise CheckpointError(f"{path!r} is not a roundpipe sharded checkpoint "
-                              f"(expected format {FORMAT!r})")
+                              f"(expected format {FORMAT!r}){hint}")
     return meta
 
 

@@ -131,9 +131,13 @@ def test_a_sharded_save_never_replaces_a_directory_of_other_files(tmp_path):
     pipe, opt, _ = _setup(1)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "log.txt").write_text("keep me")
+    # e.g. a Trainer checkpoint folder holding a one-file roundpipe.pt
+    save_checkpoint(tmp_path / "run" / "roundpipe.pt", pipe, opt)
     with pytest.raises(CheckpointError, match="not a roundpipe checkpoint"):
         save_checkpoint(tmp_path / "run", pipe, opt)  # an existing directory: sharded
     assert (tmp_path / "run" / "log.txt").read_text() == "keep me"
+    with pytest.raises(CheckpointError, match="holds a one-file checkpoint, load"):
+        load_checkpoint(tmp_path / "run", pipe, opt)
     assert sorted(os.listdir(tmp_path)) == ["run"]
     pipe.close()
 
