@@ -1,5 +1,5 @@
-"""``RoundPipeSFTTrainer``: TRL's ``SFTTrainer`` on a pipe (imported by ``roundpipe.hf``
-on first use, so that TRL stays optional).
+"""``RoundPipeSFTTrainer``: TRL's ``SFTTrainer`` on a pipe (made by ``roundpipe.hf`` on
+first use, so that TRL stays optional).
 
 SFTTrainer computes its loss with a *fused LM head*: it replaces the base model's
 ``forward`` by one that projects the hidden states through the head with a custom
@@ -17,12 +17,15 @@ from typing import Any
 
 import torch
 
+from .errors import TrainerArgumentError
+from .trainer import RoundPipeTrainerMixin
+
 # Config fields that change the head's logits, which the traceable head does not apply.
 _LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier",
                  "lm_head_multiplier", "logits_scaling")
 
 
-def make_sft_trainer(mixin: type, error: type) -> type:
+def make_sft_trainer() -> type:
     from trl import SFTTrainer
     from trl.trainer.utils import FusedCausalLMOutput
 
@@ -53,7 +56,7 @@ def make_sft_trainer(mixin: type, error: type) -> type:
         return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs,
                                    entropy=entropy, is_top1=is_top1, label_mask=mask)
 
-    class RoundPipeSFTTrainer(mixin, SFTTrainer):  # type: ignore[misc, valid-type]
+    class RoundPipeSFTTrainer(RoundPipeTrainerMixin, SFTTrainer):
         """TRL's ``SFTTrainer`` on a :class:`~roundpipe.RoundPipe` (LoRA through
         ``peft_config`` included), with a fused LM head roundpipe can trace."""
 
@@ -63,7 +66,7 @@ def make_sft_trainer(mixin: type, error: type) -> type:
             text = base.config.get_text_config()
             used = [f for f in _LOGIT_FIELDS if getattr(text, f, None) not in (None, 1.0)]
             if used or getattr(text, "output_router_logits", False):
-                raise error(
+                raise TrainerArgumentError(
                     f"{type(base).__name__}'s config sets "
                     f"{', '.join(used) or 'output_router_logits'}, which the traceable "
                     "head of RoundPipeSFTTrainer does not apply; train it with "
