@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -124,29 +123,39 @@ def save_file_async(path: str, state: dict[str, Any],
     return future
 
 
+def _uses(t: torch.Tensor) -> int:
+    """How many tensors (views included) hold ``t``'s storage."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 class _StagingPool:
-    """Buffers for the tensors copied while the optimizer is held, reused once the writer
-    has dropped the copy: fresh allocations per tensor were not returned to the system
-    (the process grew by most of the held bytes, not by one tensor)."""
+    """Buffers for the tensors copied while the optimizer is held, reused once nothing
+    holds a view of them any more: fresh allocations per tensor were not returned to the
+    system (the process grew by most of the held bytes, not by one tensor).
+
+    A buffer is free when no tensor but the pool's own uses its storage: DCP detaches the
+    copy (a new view), and when CUDA is available it resolves tensors up to its copy-ahead
+    limit before writing them, so the Python object this returns dies long before its
+    bytes are written."""
 
     def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._buffers: dict[int, list[tuple[torch.Tensor, int]]] = {}  # (buffer, idle uses)
         self._lock = threading.Lock()
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.numel():
+            return t.clone()
         nbytes = t.numel() * t.element_size()
         with self._lock:
-            free = self._free.setdefault(nbytes, [])
-            buf = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
-        # Exactly the tensor's bytes: DCP copies a tensor whose storage is larger.
-        out = buf.view(t.dtype).view(t.shape) if t.numel() else t.clone()
+            buffers = self._buffers.setdefault(nbytes, [])
+            buf = next((b for b, idle in buffers if _uses(b) <= idle), None)
+            if buf is None:
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+                buffers.append((buf, _uses(buf)))
+            # Exactly the tensor's bytes: DCP copies a tensor whose storage is larger.
+            out = buf.view(t.dtype).view(t.shape)
         out.copy_(t)
-        weakref.finalize(out, self._give_back, nbytes, buf)
         return out
-
-    def _give_back(self, nbytes: int, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free[nbytes].append(buf)
 
 
 def save_sharded_async(path: str, pipe: RoundPipe, collected: Collected, group: Any,
@@ -155,7 +164,10 @@ def save_sharded_async(path: str, pipe: RoundPipe, collected: Collected, group: 
     from .checkpoint_sharded import write
 
     tensors = dict(collected.tensors)
-    copied = 0
+    # roundpipe.pt is written after the tensors: its data (the extra, the optimizer's
+    # hyper-parameters and non-tensor state) as it is now, not as training leaves it.
+    meta = _copy(collected.meta)
+    copied = _nbytes(meta)
     deferred: set[str] = set()
     for key, t in tensors.items():  # everything the forward pass may change: always
         if key not in collected.live and key not in collected.private:
@@ -195,7 +207,7 @@ def save_sharded_async(path: str, pipe: RoundPipe, collected: Collected, group: 
         try:
             if deferred:
                 held.wait()
-            write(path, type(collected)(tensors, collected.meta, set()), group, resolve)
+            write(path, type(collected)(tensors, meta, set()), group, resolve)
         finally:
             released.set()  # never leave the optimizer thread held
 
