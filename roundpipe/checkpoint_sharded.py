@@ -380,8 +380,11 @@ def load_optimizer(path: str, meta: dict[str, Any], pipe: RoundPipe,
                                for k, v in e.items() if v == _TENSOR])
     state = {index[n]: {k: read[f"optimizer.{n}.{k}"] if v == _TENSOR else v
                         for k, v in e.items()} for n, e in layout.items()}
+    # torch matches state to parameters by position: the positions of this optimizer's
+    # own order (the saved run may have listed the same parameters in another).
     param_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                     "params": [index[n] for n in g["params"]]} for g in groups]
+                     "params": [index[n] for n in names_here]}
+                    for g, names_here in zip(groups, mine)]
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
 
