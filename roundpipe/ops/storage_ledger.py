@@ -42,8 +42,11 @@ class StorageLedger:
     """Live bytes of the storages made on one device's threads: now, at most since the
     last :meth:`reset`, and the same per owner (a job index)."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, block_bytes: int = 1) -> None:
         self.device_type = device_type  # tensors of other types (host buffers) are not ours
+        # Sizes are rounded up to this (the CUDA caching allocator hands out 512-byte
+        # blocks; an estimate for a CUDA device counts what it would reserve).
+        self.block_bytes = block_bytes
         self._lock = threading.RLock()  # an entry can be freed while the lock is held
         self._storages: dict[int, list[Any]] = {}  # storage id -> [bytes, owner, weakref]
         self._live = 0
@@ -106,6 +109,7 @@ class StorageLedger:
             nbytes = storage.nbytes()
             if nbytes == 0:
                 return
+            nbytes = -(-nbytes // self.block_bytes) * self.block_bytes
             ref = weakref.ref(storage, functools.partial(self._freed, key))
             self._storages[key] = [nbytes, owner, ref]
             self._live += nbytes
