@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -16,6 +16,7 @@ from .passes.cost import CostReport, DeviceModel, estimate_costs
 from .passes.layers import (LayerAssignment, ModuleTree, assign_layers, find_unit_roots,
                             module_tree, parallel_containers)
 from .passes.leaves import resolve_leaf_modules
+from .passes.memory import MemoryModel
 from .passes.output_merge import default_split, plan_output_merge
 from .passes.partition import (PipelineCuts, max_pipeline_stages, partition_pipeline,
                                simulate_round_robin)
@@ -209,7 +210,9 @@ def make_plan(
     # 4. partition: exact min-max over forward, fused tail and backward stages.
     cuts = _choose_cuts(costs, num_devices=num_devices, memory_cap=memory_cap,
                         num_stages=options.num_stages, names=[u.name for u in units],
-                        recompute_grain=recompute_grain)
+                        recompute_grain=recompute_grain,
+                        fits=_fits_by_lifetimes(report.memory, options),
+                        unit_memory=_unit_memory(report.memory, options))
     ranges = ([("fwd", p) for p in cuts.forward_parts]
               + [("fused", (cuts.tail_start, len(costs)))]
               + [("bwd", p) for p in reversed(cuts.backward_parts)])
@@ -217,8 +220,8 @@ def make_plan(
     stash = plan_recompute(program, ranges)
     # 6b. codegen: a program per stage that calls its unit programs in order.
     stage_modules = tuple(build_stage_module(program, a, b)[0] for _, (a, b) in ranges)
-    stages = tuple(_stage_spec(i, kind, rng, program, units, report, cuts, memory_cap,
-                               recompute_grain) for i, (kind, rng) in enumerate(ranges))
+    stages = tuple(_stage_spec(i, kind, rng, program, units, report, cuts, options)
+                   for i, (kind, rng) in enumerate(ranges))
     schedule = simulate_round_robin(
         [s.est_time_s for s in stages], num_microbatch, num_devices,
         upload_times=[s.param_bytes / options.device_model.link_bytes_per_s for s in stages])
@@ -255,10 +258,45 @@ def _bwd_memory(c: UnitCost) -> int:
     return c.param_bytes + c.trainable_bytes + c.activation_bytes
 
 
+def _fits_by_lifetimes(memory: MemoryModel | None, options: PlanOptions
+                       ) -> Callable[[PipelineCuts], bool] | None:
+    """Whether every stage of some cuts fits the cap by the lifetime estimate (None
+    without a cap or without the estimate: the summed unit costs decide alone)."""
+    cap = options.memory_cap
+    if memory is None or cap is None:
+        return None
+
+    def fits(cuts: PipelineCuts) -> bool:
+        ranges = ([("fwd", p) for p in cuts.forward_parts]
+                  + [("fused", (cuts.tail_start, len(memory.program.units)))]
+                  + [("bwd", p) for p in cuts.backward_parts])
+        return all(memory.stage_bytes(kind, rng, num_microbatch=options.num_microbatch,
+                                      num_devices=options.num_devices,
+                                      grain=options.recompute_grain) <= cap
+                   for kind, rng in ranges)
+    return fits
+
+
+def _unit_memory(memory: MemoryModel | None, options: PlanOptions) -> list[int] | None:
+    """What each unit needs in a stage of its own, by the lifetime estimate."""
+    if memory is None or options.memory_cap is None:
+        return None
+    return [memory.unit_bytes(i, num_microbatch=options.num_microbatch,
+                              num_devices=options.num_devices, grain=options.recompute_grain)
+            for i in range(len(memory.program.units))]
+
+
 def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int | None,
                  num_stages: int | None, names: Sequence[str],
-                 recompute_grain: str = "stage") -> PipelineCuts:
-    """The fewest stages (at least devices + 1) that satisfy the memory cap, balanced."""
+                 recompute_grain: str = "stage",
+                 fits: Callable[[PipelineCuts], bool] | None = None,
+                 unit_memory: Sequence[int] | None = None) -> PipelineCuts:
+    """The fewest stages (at least devices + 1) that satisfy the memory cap, balanced.
+
+    With ``fits`` (the lifetime estimate, passes/memory.py), a stage count is taken when
+    its balanced cuts, or else the cuts the summed unit costs allow under the cap, fit by
+    that estimate; the summed costs alone count every value a unit makes for as long as
+    the job runs, and would ask for stages the device does not need."""
     fwd = [_ns(c.fwd_s) for c in costs]
     bwd = [_ns(c.fwd_s + c.bwd_s) for c in costs]  # recompute + backward
     kwargs = dict(fwd_memory=[_fwd_memory(c) for c in costs],
@@ -268,8 +306,9 @@ def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int
     n = len(costs)
     most = max_pipeline_stages(n)
     if memory_cap is not None:
-        worst = max(range(n), key=lambda i: _bwd_memory(costs[i]))
-        need = _bwd_memory(costs[worst])
+        alone = unit_memory or [_bwd_memory(c) for c in costs]
+        worst = max(range(n), key=lambda i: alone[i])
+        need = alone[worst]
         if need > memory_cap:
             raise PartitionError(
                 f"unit {names[worst]} alone needs {_size(need)} (weights, gradients and one "
@@ -278,8 +317,25 @@ def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int
                 + (", use recompute_grain='layer'" if recompute_grain != "layer" else "")
                 + ", or give the devices more memory"
             )
+    uncapped = dict(kwargs, memory_cap=None)
+
+    def attempt(count: int) -> PipelineCuts:
+        if fits is None:
+            return partition_pipeline(fwd, bwd, bwd, count, **kwargs)
+        balanced = partition_pipeline(fwd, bwd, bwd, count, **uncapped)
+        if fits(balanced):
+            return balanced
+        try:
+            summed = partition_pipeline(fwd, bwd, bwd, count, **kwargs)
+        except PartitionError:
+            summed = None
+        if summed is not None and fits(summed):
+            return summed
+        raise PartitionError(f"no cuts into {count} stages found fit the memory cap of "
+                             f"{_size(memory_cap or 0)} by the lifetime estimate")
+
     if num_stages is not None:
-        return partition_pipeline(fwd, bwd, bwd, num_stages, **kwargs)
+        return attempt(num_stages)
     first = min(num_devices + 1, most)
     if first == 2:  # two stages cannot hold forward, fused and backward stages
         first = 3 if most >= 3 else 1
@@ -288,17 +344,26 @@ def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int
         if count == 2:
             continue
         try:
-            return partition_pipeline(fwd, bwd, bwd, count, **kwargs)
+            return attempt(count)
         except PartitionError as e:
             last_error = e
             if memory_cap is None:
                 raise
+    if fits is not None:
+        raise PartitionError(
+            f"no stage count between {first} and {most} fits the memory cap of "
+            f"{_size(memory_cap or 0)}: even with one unit per stage some stage's job "
+            f"holds more (weights, gradients and one microbatch's values by their "
+            f"lifetimes); raise num_microbatch to shrink activations"
+            + (", use recompute_grain='layer'" if recompute_grain != "layer" else "")
+            + ", or give the devices more memory") from last_error
     raise last_error or PartitionError(f"no stage count between {first} and {most} works")
 
 
 def _stage_spec(index: int, kind: str, units_range: tuple[int, int], program: ModelProgram,
                 units: Sequence[LayerUnit], report: CostReport, cuts: PipelineCuts,
-                memory_cap: int | None, grain: str) -> StageSpec:
+                options: PlanOptions) -> StageSpec:
+    memory_cap, grain = options.memory_cap, options.recompute_grain
     start, stop = units_range
     costs = report.units[start:stop]
     state = {s for u in program.units[start:stop] for s in u.state}
@@ -313,6 +378,10 @@ def _stage_spec(index: int, kind: str, units_range: tuple[int, int], program: Mo
     else:
         est = sum(c.fwd_s + c.bwd_s for c in costs)
         memory = param_bytes + trainable + activations
+    if report.memory is not None:  # the job replayed: tensors' lifetimes, not sums
+        memory = report.memory.stage_bytes(kind, units_range,
+                                           num_microbatch=options.num_microbatch,
+                                           num_devices=options.num_devices, grain=grain)
     # The partitioner's costs, in the same integer nanoseconds (see _choose_cuts).
     cost_ns = sum(_ns(c.fwd_s) if kind == "fwd" else _ns(c.fwd_s + c.bwd_s) for c in costs)
     if memory_cap is not None and memory > 0.9 * memory_cap:

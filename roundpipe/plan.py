@@ -242,8 +242,9 @@ class StageSpec:
         param_bytes: bytes of state uploaded for the stage.
         est_time_s: estimated time per microbatch (measured unit times when available).
         act_in_bytes, act_out_bytes: activation bytes entering / leaving per microbatch.
-        memory_bytes: estimated device memory for one job (state, gradients, activations
-            of one microbatch).
+        memory_bytes: estimated device memory for one job: the most its tensors hold at
+            once (weights, gradients, one microbatch's values by their lifetimes, the
+            next microbatch's inputs), from a replay on fake tensors (passes/memory.py).
         recompute: ``"none"`` for forward and fused stages, else the default grain.
         reason: why the stage boundary is where it is.
     """
@@ -334,9 +335,12 @@ class StagePlan:
 
     @property
     def device_memory_bytes(self) -> int:
-        """Memory a device needs: the two largest stages (current + prefetched)."""
-        sizes = sorted((s.memory_bytes for s in self.stages), reverse=True)
-        return sum(sizes[:2])
+        """Memory a device needs: the largest stage's job, and the largest weights
+        prefetched for the next job meanwhile (its activations come only after)."""
+        if not self.stages:
+            return 0
+        return (max(s.memory_bytes for s in self.stages)
+                + max(s.param_bytes for s in self.stages))
 
     def stage_code(self, index: int) -> str:
         """Readable generated code of stage ``index`` and of the unit programs it calls."""

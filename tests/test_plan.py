@@ -14,7 +14,7 @@ import models
 import roundpipe
 from compiled import compiled
 from roundpipe import RoundPipe
-from roundpipe.compiler import PlanOptions, compile_model, make_plan
+from roundpipe.compiler import PlanOptions, analyze, compile_model, make_plan
 from roundpipe.errors import ConfigError, PartitionError
 from roundpipe.passes.cost import DeviceModel
 from roundpipe.plan import StagePlan, compact_unit_names
@@ -36,6 +36,12 @@ def _plan(name: str, devices: int, **options) -> StagePlan:
 def _bwd_memory(cost) -> int:
     """What one unit needs in a backward stage: weights, gradients, activations."""
     return cost.param_bytes + cost.trainable_bytes + cost.activation_bytes
+
+
+def _largest_unit(report, devices: int, microbatches: int) -> int:
+    """The most any unit needs in a stage of its own, by the lifetime estimate."""
+    return max(report.memory.unit_bytes(i, num_microbatch=microbatches, num_devices=devices)
+               for i in range(len(report.units)))
 
 
 def check_invariants(plan: StagePlan, report=None) -> None:
@@ -127,7 +133,7 @@ def test_memory_cap_bounds_every_stage():
     """The tightest feasible cap (the largest unit) forces more stages than devices + 1,
     and no stage exceeds it."""
     c = compiled("gpt")
-    cap = max(_bwd_memory(cost) for cost in c.plan.costs)
+    cap = _largest_unit(c.report, 2, 3)
     plan = _plan("gpt", 2, memory_cap=cap)
     check_invariants(plan, c.report)
     assert len(plan.stages) > 3  # the uncapped plan has 3
@@ -138,7 +144,7 @@ def test_memory_cap_bounds_every_stage():
 
 def test_memory_cap_through_compile_model():
     base = compiled("mlp")
-    cap = max(_bwd_memory(cost) for cost in base.plan.costs)
+    cap = _largest_unit(base.report, 2, 3)
     plan = compile_model(base.model, base.args, base.kwargs, num_devices=2, memory_cap=cap)
     check_invariants(plan)
     assert all(s.memory_bytes <= cap for s in plan.stages)
@@ -153,9 +159,11 @@ def test_cap_below_the_largest_unit_is_a_partition_error():
     model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
     args = (torch.randn(6, 512),)
     uncapped = compile_model(model, args, num_devices=2)
-    costs = uncapped.costs
-    worst = max(range(len(costs)), key=lambda i: _bwd_memory(costs[i]))
-    need = _bwd_memory(costs[worst])
+    memory = analyze(model, args, cost_scale=1 / 3).report.memory
+    alone = [memory.unit_bytes(i, num_microbatch=3, num_devices=2)
+             for i in range(len(uncapped.units))]
+    worst = max(range(len(alone)), key=lambda i: alone[i])
+    need = alone[worst]
     assert need > 2 * 512 * 512 * 4
     cap = 3 * 2**19  # 1.5 MiB
     with pytest.raises(PartitionError) as info:

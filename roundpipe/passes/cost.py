@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 
 from ..plan import ModelProgram, UnitCost
 from .layers import LayerAssignment
+from .memory import MemoryModel, build_memory_model
 from .trace import TracedGraph
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class DeviceModel:
         bytes_per_s: device memory bandwidth.
         link_bytes_per_s: host-to-device bandwidth (weight and activation uploads).
         launch_s: fixed cost per op (kernel launch, Python dispatch).
+        block_bytes: allocation granularity (the CUDA caching allocator rounds every
+            tensor up to 512 bytes); memory estimates round each tensor up to it.
     """
 
     name: str
@@ -51,6 +54,7 @@ class DeviceModel:
     bytes_per_s: float
     link_bytes_per_s: float
     launch_s: float
+    block_bytes: int = 1
 
     @staticmethod
     def for_device(device: torch.device | str) -> DeviceModel:
@@ -59,8 +63,8 @@ class DeviceModel:
         if device.type == "cuda" and torch.cuda.is_available():  # pragma: no cover - GPU
             props = torch.cuda.get_device_properties(device)
             if "H100" in props.name or "H200" in props.name:
-                return DeviceModel(props.name, 6.0e14, 3.0e12, 4.0e10, 6e-6)
-            return DeviceModel(props.name, 1.0e14, 1.0e12, 2.0e10, 8e-6)
+                return DeviceModel(props.name, 6.0e14, 3.0e12, 4.0e10, 6e-6, 512)
+            return DeviceModel(props.name, 1.0e14, 1.0e12, 2.0e10, 8e-6, 512)
         return DeviceModel("cpu", 5.0e10, 1.0e10, 1.0e10, 4e-6)
 
 
@@ -81,6 +85,9 @@ class CostReport:
     units: tuple[UnitCost, ...]
     values: Mapping[str, ValueInfo]
     cut_bytes: tuple[int, ...]  # cut c sits before unit c; cut n is the model outputs
+    # replays stage jobs for their device memory (passes/memory.py); None: not on fake
+    # tensors, stage memory is then summed from ``units``
+    memory: MemoryModel | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def crossing(self, start: int, stop: int) -> tuple[int, int]:
         """Activation bytes entering and leaving units ``[start, stop)``."""
@@ -247,7 +254,9 @@ def estimate_costs(traced: TracedGraph, layers: LayerAssignment, program: ModelP
     values = _value_infos(gm.graph, layers, traced, interp.out_bytes, n_units, scale)
     cut_bytes = _cut_bytes(values, n_units)
     units = [dataclasses.replace(u, output_bytes=cut_bytes[i + 1]) for i, u in enumerate(units)]
-    return CostReport(units=tuple(units), values=values, cut_bytes=cut_bytes)
+    memory = build_memory_model(program, model_state, traced.example_inputs, scale=scale,
+                                block_bytes=device_model.block_bytes)
+    return CostReport(units=tuple(units), values=values, cut_bytes=cut_bytes, memory=memory)
 
 
 def _interpret(traced: TracedGraph) -> _CostInterpreter:

@@ -1,0 +1,111 @@
+"""The lifetime-based stage memory estimate (``passes/memory.py``) against the device
+memory measured on virtual devices (``measure_memory``): every stage's
+``StageSpec.memory_bytes`` / ``RunStats.stage_peak_bytes`` must lie in [0.95, 1.15]
+(issue 18), at both recompute grains, 1 and 4 microbatches, 1 and 4 devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe.passes.cost import DeviceModel
+from roundpipe.passes.memory import MemoryModel
+
+BAND = (0.95, 1.15)
+
+
+def _ce(out, labels):
+    logits = out["logits"] if isinstance(out, dict) else getattr(out, "logits", out)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _gpt():
+    torch.manual_seed(0)
+    model = models.GPT(vocab=128, d=64, layers=4, max_len=32)
+    return model, (torch.randint(0, 128, (8, 32)),), {}, torch.randint(0, 128, (8, 32))
+
+
+def _hf_lm(name, **overrides):
+    def case():
+        hf = pytest.importorskip("hf_models")
+        model = hf.build(name, num_hidden_layers=4, hidden_size=64, **overrides)
+        ids = torch.randint(1, hf.VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+        return model, (), {"input_ids": ids}, ids
+    return case
+
+
+def _vit():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(image_size=32, patch_size=4, hidden_size=64,
+                                 num_hidden_layers=4, num_attention_heads=4,
+                                 intermediate_size=128, num_labels=10)
+    model = transformers.ViTForImageClassification(cfg).train()
+    return model, (torch.randn(8, 3, 32, 32),), {}, torch.randint(0, 10, (8,))
+
+
+def _resnet():  # BatchNorm: running statistics are written by the forward
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64],
+                                    depths=[1, 1, 1], num_labels=10)
+    model = transformers.ResNetForImageClassification(cfg).train()
+    return model, (torch.randn(8, 3, 32, 32),), {}, torch.randint(0, 10, (8,))
+
+
+CASES = {"gpt": _gpt, "llama": _hf_lm("llama"), "bert": _hf_lm("bert"),
+         "qwen3_moe": _hf_lm("qwen3_moe"), "vit": _vit, "resnet": _resnet}
+
+FAST = [("gpt", 4, 1, "stage"), ("gpt", 1, 4, "layer"), ("gpt", 4, 4, "layer"),
+        ("llama", 4, 4, "stage"), ("llama", 1, 1, "layer"), ("llama", 4, 1, "layer")]
+FULL = [(m, d, mb, g) for m in CASES for d in (1, 4) for mb in (1, 4)
+        for g in ("stage", "layer")]
+MATRIX = FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in FULL if c not in FAST]
+
+
+def _ratios(name, devices, microbatches, grain):
+    model, args, kwargs, labels = CASES[name]()
+    pipe = RoundPipe(model, devices=["cpu"] * devices, measure_memory=True,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=microbatches,
+                                                         recompute_grain=grain))
+    try:
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=labels,
+                              loss_fn=_ce)
+        pipe.synchronize()
+        plan, peaks = pipe.plan, pipe.stats().stage_peak_bytes
+        assert plan.costs and isinstance(pipe._current.analysis.report.memory, MemoryModel)
+        return [(s.index, s.kind, s.memory_bytes, peaks[s.index]) for s in plan.stages]
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("name, devices, microbatches, grain", MATRIX)
+def test_stage_estimate_is_within_band_of_measured_peak(name, devices, microbatches, grain):
+    rows = _ratios(name, devices, microbatches, grain)
+    table = ", ".join(f"{i} {kind} {est / peak:.3f}" for i, kind, est, peak in rows)
+    print(f"{name} devices={devices} mb={microbatches} grain={grain}: {table}")
+    outside = [(i, kind, round(est / peak, 3)) for i, kind, est, peak in rows
+               if not BAND[0] <= est / peak <= BAND[1]]
+    assert not outside, f"estimate/measured outside {BAND}: {outside} ({table})"
+
+
+def test_cuda_device_model_rounds_each_tensor_to_512_bytes():
+    model, args, kwargs = models.gpt(batch=6)
+    plans = {}
+    for block in (1, 512):
+        device_model = DeviceModel("x", 5e10, 1e10, 1e10, 4e-6, block_bytes=block)
+        plans[block] = RoundPipe(model, devices=["cpu"] * 2, device_model=device_model,
+                                 ).compile(args, kwargs)
+    for small, rounded in zip(plans[1].stages, plans[512].stages):
+        # every tensor of this tiny GPT is a few hundred bytes: rounding adds a lot
+        assert rounded.memory_bytes > small.memory_bytes
+
+
+def test_device_memory_is_the_largest_job_and_the_largest_prefetched_weights():
+    model, args, kwargs = models.gpt(batch=5)
+    plan = RoundPipe(model, devices=["cpu"] * 4).compile(args, kwargs)
+    assert plan.device_memory_bytes == (max(s.memory_bytes for s in plan.stages)
+                                        + max(s.param_bytes for s in plan.stages))
