@@ -102,7 +102,9 @@ def _write_file(path: str, state: dict[str, Any]) -> None:
 def write_atomically(path: str, write: Any) -> None:
     """``write(file)`` into a temporary file beside ``path``, flushed to disk, then
     renamed over ``path``: readers see the old file or the new one, never a part."""
-    directory, name = os.path.split(os.path.abspath(path))
+    # realpath: a link to the checkpoint stays a link, its target is replaced
+    directory, name = os.path.split(os.path.realpath(path))
+    path = os.path.join(directory, name)
     temp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     _WRITING.add(temp)
     try:

@@ -80,6 +80,8 @@ def _run(future: CheckpointSave, name: str, work: Callable[[], None]) -> None:
             with _lock:
                 _in_flight.remove(future)
 
+    # Running from now on: cancel() cannot stop the write, so it must return False.
+    future.set_running_or_notify_cancel()
     with _lock:
         _in_flight.append(future)
     # Not a daemon: the interpreter waits for a save in flight before it exits.

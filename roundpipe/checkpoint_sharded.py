@@ -175,7 +175,7 @@ def write(path: str, collected: Collected, group: Any,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
-    path = os.path.abspath(path)
+    path = os.path.realpath(path)  # a link to the checkpoint stays a link: write its target
     directory, name = os.path.split(path)
     rank = dist.get_rank(group) if group is not None else 0
     if os.path.isfile(path):
@@ -195,10 +195,7 @@ def write(path: str, collected: Collected, group: Any,
     temp_dir = temp[0]
     _WRITING.add(temp_dir)
     try:
-        if rank == 0:
-            os.makedirs(temp_dir)
-        if group is not None:
-            dist.barrier(group=group)
+        _on_rank_0(group, rank, f"create {temp_dir!r}", lambda: os.makedirs(temp_dir))
 
         class _Planner(DefaultSavePlanner):
             def resolve_data(self, write_item: Any) -> Any:
@@ -211,13 +208,15 @@ def write(path: str, collected: Collected, group: Any,
             dcp.save(collected.tensors, planner=_Planner(), process_group=group,
                      storage_writer=FileSystemWriter(temp_dir, sync_files=True),
                      no_dist=group is None)
-        if rank == 0:
+
+        def finish() -> None:
             write_atomically(os.path.join(temp_dir, META_FILE),
                              lambda f: torch.save(collected.meta, f))
             _fsync_directory(temp_dir)
             _swap_in(temp_dir, path)
-        if group is not None:
-            dist.barrier(group=group)  # every replica returns once the new one is in place
+        # Every replica returns once the new directory is in place, or raises rank 0's error.
+        _on_rank_0(group, rank, f"write {META_FILE} and move the checkpoint into {path!r}",
+                   finish)
     except BaseException:
         if rank == 0:
             shutil.rmtree(temp_dir, ignore_errors=True)
@@ -228,18 +227,42 @@ def write(path: str, collected: Collected, group: Any,
         _remove_stale(directory, name)
 
 
+def _on_rank_0(group: Any, rank: int, what: str, work: Callable[[], None]) -> None:
+    """``work()`` on rank 0, then every replica learns how it went (a collective): a
+    failure on rank 0 is raised on every replica at once, not after the group's timeout."""
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - told to the other replicas, re-raised
+            failure = e
+    if group is not None:
+        import torch.distributed as dist
+        outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+        if rank != 0 and outcome[0] is not None:
+            raise CheckpointError(
+                f"replica 0 failed to {what} ({outcome[0]}), so the save failed on every "
+                "replica and the previous checkpoint, if any, is kept: fix the cause on "
+                "rank 0's host (e.g. free disk space) and save again")
+    if failure is not None:
+        raise failure
+
+
 @contextlib.contextmanager
 def _dcp_errors(action: str, path: str) -> Any:
     """DCP wraps every failure in a ``CheckpointException``, a ``BaseException`` that
-    ``except Exception`` misses: raise the first underlying error instead."""
+    ``except Exception`` misses: raise the underlying error instead (an interrupt first,
+    as it is)."""
     from torch.distributed.checkpoint.api import CheckpointException
     try:
         yield
     except CheckpointException as e:
-        for failure in e.failures.values():
-            error = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(error, Exception):
-                raise error from None
+        errors = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        # An interrupt (KeyboardInterrupt, SystemExit) stays one: not an Exception to catch.
+        for error in sorted((x for x in errors if isinstance(x, BaseException)),
+                            key=lambda x: isinstance(x, Exception)):
+            raise error from None
         raise CheckpointError(f"{action} {path!r} failed: {e}") from e
 
 

@@ -245,6 +245,34 @@ class Injected(RuntimeError):
     pass
 
 
+def failed_save(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Rank 0 cannot write roundpipe.pt (a full disk) during a sharded save: every replica
+    raises at once (not after the group's timeout), and a second save succeeds."""
+    import roundpipe.checkpoint_sharded as cs
+    pipe = replica(rank, 1, reduction="sum", bucket_bytes="16KiB", timeout_s=20)
+    opt = make_optimizer("adamw", pipe.optim_parameters())
+    train(pipe, opt, [0], rank, world, models.lm_loss, is_async=True)
+    real = cs.write_atomically
+    if rank == 0:
+        def full_disk(*args: Any, **kwargs: Any) -> None:
+            raise OSError(28, "No space left on device")
+        cs.write_atomically = full_disk
+    t0 = time.perf_counter()
+    try:
+        roundpipe.save_checkpoint(path, pipe, opt, sharded=True)
+        error = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        error = (type(e).__name__, str(e))
+    elapsed = time.perf_counter() - t0
+    cs.write_atomically = real
+    exists = os.path.exists(path)
+    roundpipe.save_checkpoint(path, pipe, opt, sharded=True)
+    out = {"error": error, "elapsed": elapsed, "existed": exists,
+           "files": sorted(os.listdir(os.path.dirname(path)))}
+    pipe.close()
+    return out
+
+
 def replica_failure(rank: int, world: int) -> dict[str, Any]:
     """Rank 1's loss_fn raises in step 2: both replicas raise, neither commits, both go
     on with step 3."""
@@ -336,7 +364,7 @@ def dead_replica(rank: int, world: int, save: Callable[[dict[str, Any]], None]
 GROUPS: dict[str, list[str]] = {
     "equivalence": ["sgd_sum", "adamw_mean", "adamw_async", "zero_checkpoint",
                     "sharded_checkpoint", "autograd_backward", "batchnorm_buffers"],
-    "failures": ["replica_failure", "hung_replica", "dead_replica"],
+    "failures": ["replica_failure", "failed_save", "hung_replica", "dead_replica"],
 }
 
 
@@ -353,7 +381,7 @@ def main() -> None:
                     results[name] = out
                     torch.save(results, out_path)
                 results[name] = fn(rank, world, save)
-            elif name in ("zero_checkpoint", "sharded_checkpoint"):
+            elif name in ("zero_checkpoint", "sharded_checkpoint", "failed_save"):
                 # the replicas' outputs share a directory: so does the checkpoint
                 results[name] = fn(rank, world, os.path.join(os.path.dirname(out_path),
                                                              f"{name}.ckpt"))

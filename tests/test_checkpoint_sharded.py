@@ -253,3 +253,51 @@ def test_optimizer_state_loads_by_name_whatever_the_parameter_order(tmp_path):
     for n, p in pipe.optim_named_parameters():
         _assert_bitwise(opt.state[p], want[n])
     pipe.close()
+
+
+def test_an_interrupt_during_a_sharded_save_stays_an_interrupt(tmp_path, monkeypatch):
+    """DCP wraps every failure in its CheckpointException: Ctrl-C must still be one."""
+    pipe, opt, _ = _setup(1)
+    save_checkpoint(tmp_path / "ck", pipe, opt, extra=1, sharded=True)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "ck", pipe, opt, extra=2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert load_checkpoint(tmp_path / "ck", pipe, opt) == 1
+    pipe.close()
+
+
+def test_an_async_save_in_flight_cannot_be_cancelled(tmp_path, monkeypatch):
+    pipe, opt, scaler = _setup(1)
+    _train(pipe, opt, scaler, range(1))
+    gate = threading.Event()
+    import roundpipe.checkpoint as ck
+    real = ck._write_file
+    monkeypatch.setattr(ck, "_write_file", lambda p, s: (gate.wait(30), real(p, s)))
+    future = save_checkpoint(tmp_path / "a.pt", pipe, opt, asynchronous=True)
+    assert future.running() and not future.cancel()  # the write goes on: not cancelled
+    gate.set()
+    assert future.result(timeout=30) is None and not future.cancelled()
+    assert load_checkpoint(tmp_path / "a.pt", pipe, opt) is None
+    pipe.close()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_save_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path, sharded):
+    pipe, opt, _ = _setup(1)
+    (tmp_path / "store").mkdir()
+    target = tmp_path / "store" / "ck"
+    save_checkpoint(target, pipe, opt, extra=1, sharded=sharded)
+    link = tmp_path / "latest"
+    link.symlink_to(target, target_is_directory=sharded)
+    save_checkpoint(link, pipe, opt, extra=2, sharded=sharded)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "store"]
+    assert sorted(os.listdir(tmp_path / "store")) == ["ck"]
+    assert load_checkpoint(target, pipe, opt) == 2
+    pipe.close()

@@ -204,6 +204,16 @@ def test_a_failing_replica_makes_every_replica_raise_and_none_commit(launches):
         _assert_states_equal(r["state"], want, exact=True)
 
 
+def test_a_sharded_save_failing_on_rank_0_raises_on_every_replica_at_once(launches):
+    r0, r1 = launches["failures"].scenario("failed_save")
+    assert r0["error"][0] == "OSError" and "No space left" in r0["error"][1]
+    assert r1["error"][0] == "CheckpointError", r1["error"]
+    assert "replica 0 failed" in r1["error"][1] and "No space left" in r1["error"][1]
+    assert r1["elapsed"] < 10  # not after the group's 20 s timeout
+    assert not r0["existed"] and not r1["existed"]
+    assert [f for f in r0["files"] if "failed_save.ckpt" in f] == ["failed_save.ckpt"]
+
+
 def test_a_replica_that_stops_answering_gives_a_clear_error_within_the_timeout(launches):
     r0 = launches["failures"].scenario("hung_replica")[0]
     timeout = r0["timeout"]
