@@ -479,9 +479,8 @@ def test_replan_options_stay_in_force_for_later_calls():
     x, y = _data(0)
     pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
     before = len(pipe.plan.stages)
-    unit = max(c.param_bytes + c.trainable_bytes + c.activation_bytes
-               for c in pipe.plan.costs)
-    tight = pipe.replan(memory_cap=unit)  # one unit per stage at most
+    # just under the largest stage's estimate: that stage must split
+    tight = pipe.replan(memory_cap=max(s.memory_bytes for s in pipe.plan.stages) - 1)
     assert len(tight.stages) > before
     pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
     assert pipe.plan is tight  # used to fall back to the uncapped plan
