@@ -12,6 +12,13 @@ Run ``python bench/partition.py [--max-layers 512]``.
    this CPU (median of several runs), so the cost model is checked too.
 2. Compile time (trace + passes) against depth, 8 to 512 layers of a small GPT, with the
    trace of identical blocks shared (the default) and, up to 64 layers, without.
+3. Stage counts under a memory cap (``--sections capped``): the 1.36B Llama shape of
+   ``bench/gpu.py`` (24 x 2048, bf16, vocab 32000), one device, 2 microbatches of
+   4 x 2048 tokens, built on the meta device (nothing allocated), planned under a 24 GiB
+   cap for an H100 (512-byte blocks; the plan may use ``memory_fraction`` 0.9 of it) with
+   the memory estimate summed from unit costs (before issue 18: each stage within half
+   the cap) and with the lifetime replay (``passes/memory.py``: the largest job with the
+   largest prefetched weights within the cap).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from roundpipe.compiler import analyze, compile_model  # noqa: E402
 from roundpipe.passes.partition import min_max_partition  # noqa: E402
@@ -206,12 +214,50 @@ def compile_rows(max_layers: int, repeats: int) -> list[list[str]]:
     return rows
 
 
+def capped_rows(cap_gib: float = 24.0) -> list[list[str]]:
+    """Stage count, estimated step time and memory of the 1.36B shape, old against new."""
+    import roundpipe.passes.cost as cost
+    from roundpipe.passes.cost import DeviceModel
+    from gpu import Llama
+    h100 = DeviceModel("H100", 6.0e14, 3.0e12, 4.0e10, 6e-6, 512)
+    with torch.device("meta"):
+        model = Llama(32000, 2048, 24, 16, 5632).to(torch.bfloat16)
+        x = torch.randint(0, 32000, (4, 2048))
+    rows = []
+    build = cost.build_memory_model
+    for name, builder in (("summed unit costs (before)", lambda *a, **k: None),
+                          ("lifetime replay", build)):
+        cost.build_memory_model = builder
+        try:
+            t = time.perf_counter()
+            plan = compile_model(model, (x,), num_devices=1, num_microbatch=2,
+                                 example_is_microbatch=True, device_model=h100,
+                                 memory_cap=int(0.9 * cap_gib * 2**30))
+            seconds = time.perf_counter() - t
+        finally:
+            cost.build_memory_model = build
+        GiB = 2**30
+        rows.append([name, len(plan.stages), f"{plan.est_step_time_s * 1e3:.0f}",
+                     f"{max(s.memory_bytes for s in plan.stages) / GiB:.2f}",
+                     f"{plan.device_memory_bytes / GiB:.2f}", f"{seconds:.1f}"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--max-layers", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sections", default="balance,compile,capped")
     args = parser.parse_args()
+    sections = args.sections.split(",")
+    if "capped" in sections:
+        print("1.36B Llama (24 x 2048, bf16), 1 device, 2 x 4 x 2048 tokens, 24 GiB cap")
+        print(tabulate(capped_rows(), headers=[
+            "stage memory from", "stages", "est. step ms", "largest stage GiB",
+            "device_memory_bytes GiB", "compile s"]))
+    if "balance" not in sections and "compile" not in sections:
+        return
     print(f"Bottleneck stage / ideal, {args.stages} stages, scored with measured unit times "
           f"(lower is better, 1.00 is perfect)")
     print(tabulate(balance_rows(args.stages),

@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--recompute-grain", choices=["stage", "layer"], default=None,
                       help="recompute per stage or per layer (default: stage)")
     plan.add_argument("--memory-cap", default=None,
-                      help="per-stage device memory cap, e.g. 512MiB (default: none)")
+                      help="device memory cap for a job and the next job's prefetched weights, e.g. 512MiB (default: none)")
     plan.add_argument("--num-stages", type=int, default=None,
                       help="exact number of stages (default: devices + 1, more to fit the "
                       "cap)")

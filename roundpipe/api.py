@@ -28,7 +28,7 @@ from .passes.dtype_check import mixed_dtype_op
 from .passes.output_merge import plan_output_merge
 from . import host_step
 from .plan import HostStepEstimate, InputSignature, OutputMergePlan, StagePlan
-from .runtime.call import autocast_state, memory_cap, microbatch_keys
+from .runtime.call import autocast_state, memory_budget, microbatch_keys
 from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
@@ -104,9 +104,10 @@ class RoundPipe:
             named twice (``["cuda:0"] * 2``) gives two logical devices on it, each with its
             own threads and streams and half its free memory: the multi-device schedule
             on one GPU, for testing (no faster than one device).
-        memory_cap: bytes a stage may use on a device.  Default: half of
-            ``memory_fraction`` of the smallest device's free memory (current + prefetched
-            stage must fit), unlimited for virtual CPU devices without a capacity.
+        memory_cap: bytes the plan may use on a device: a job at its peak together with
+            the weights prefetched for the next job (``StagePlan.device_memory_bytes``
+            stays within it).  Default: ``memory_fraction`` of the smallest device's free
+            memory, measured once; unlimited for virtual CPU devices without a capacity.
         device_memory: capacity of each virtual CPU device (e.g. ``"64MiB"``; default
             ``ROUNDPIPE_VIRTUAL_MEMORY``, else unlimited).  Uploads beyond it raise
             :class:`~roundpipe.OutOfMemoryError`, as a GPU would.
@@ -242,7 +243,8 @@ class RoundPipe:
         self._stats: RunStats | None = None
         self._lock = threading.RLock()
         self._closed = False
-        self._caps: dict[float, int | None] = {}  # default per-stage cap by memory_fraction
+        # default device cap by memory_fraction, with where it came from
+        self._caps: dict[float, tuple[int | None, str]] = {}
         self._nonfinite_loss_ok = False  # a GradScaler skips steps with inf/NaN instead
         self._step_hooks: list[Callable[[int], None]] = []  # step(version) being enqueued
         self._sync_hooks: list[Callable[[], None]] = []  # run after synchronize()
@@ -372,18 +374,24 @@ class RoundPipe:
         return entry
 
     def _plan_options(self, cfg: ResolvedRunConfig, cap: int | None) -> PlanOptions:
+        default, origin = self._cap_and_origin(cfg)
         return PlanOptions(num_devices=len(self.devices), num_microbatch=cfg.num_microbatch,
                            device_model=self.device_model, memory_cap=cap,
+                           memory_cap_origin=origin if cap == default else "",
                            num_stages=self.num_stages, recompute_grain=cfg.recompute_grain)
 
     def _memory_cap(self, cfg: ResolvedRunConfig) -> int | None:
-        """Per-stage cap: explicit, else half the fraction of the smallest free memory,
-        read once per fraction (free memory drifts as allocators cache; a cap that moved
-        every call would re-partition every call)."""
+        """Device cap (a job and the next job's prefetched weights): explicit, else the
+        fraction of the smallest free memory, read once per fraction (free memory drifts
+        as allocators cache; a cap that moved every call would re-partition every
+        call)."""
+        return self._cap_and_origin(cfg)[0]
+
+    def _cap_and_origin(self, cfg: ResolvedRunConfig) -> tuple[int | None, str]:
         if self.memory_cap is not None:
-            return self.memory_cap
+            return self.memory_cap, ""
         if cfg.memory_fraction not in self._caps:
-            self._caps[cfg.memory_fraction] = memory_cap(self.devices, cfg.memory_fraction)
+            self._caps[cfg.memory_fraction] = memory_budget(self.devices, cfg.memory_fraction)
         return self._caps[cfg.memory_fraction]
 
     def _use_cap(self, entry: _Compiled, cap: int | None, cfg: ResolvedRunConfig) -> None:

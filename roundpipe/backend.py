@@ -47,7 +47,7 @@ from .passes.batching import BatchSplit, analyze_batching
 from .passes.cost import DeviceModel
 from .passes.dynamo import DynamoGraph, Unsupported, from_dynamo
 from .plan import ModelProgram, StagePlan
-from .runtime.call import (PipelinedCall, PipelinedFunction, autocast_state, memory_cap,
+from .runtime.call import (PipelinedCall, PipelinedFunction, autocast_state, memory_budget,
                            microbatch_keys)
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.executor import Executor, RunResult, RunStats
@@ -79,8 +79,8 @@ class BackendOptions:
     memory_fraction: float = _option(
         0.9, "share of the smallest device's free memory the plan may use (default 0.9)")
     memory_cap: int | None = _option(
-        None, "bytes one stage may use on a device (int or '512MiB'); overrides "
-              "memory_fraction")
+        None, "bytes the plan may use on a device, a job and the next job's prefetched "
+              "weights together (int or '512MiB'); overrides memory_fraction")
     device_memory: int | None = _option(
         None, "capacity of each virtual CPU device (int or '64MiB')")
     num_stages: int | None = _option(
@@ -200,10 +200,11 @@ class RoundPipeBackend:
             raise RoundPipeError("no graph of this backend has run yet, so there are no stats")
         return self._stats
 
-    def _memory_cap(self) -> int | None:
+    def _memory_cap(self) -> tuple[int | None, str]:
+        """The device cap and where it came from (see ``RoundPipe(memory_cap=)``)."""
         if self.options.memory_cap is not None:
-            return self.options.memory_cap
-        return memory_cap(self.devices, self.options.memory_fraction)
+            return self.options.memory_cap, ""
+        return memory_budget(self.devices, self.options.memory_fraction)
 
     def _next_call(self) -> int:
         with self._lock:
@@ -353,12 +354,13 @@ class _PipelinedGraph:
             note = ("microbatches: 1 (" + (split if isinstance(split, str) else
                                            "num_microbatch=1") + ")")
         log.info("roundpipe: %s", note)
+        cap, origin = backend._memory_cap()
         # The passes from layers on, as roundpipe.compile runs them.
         self.plan, _, _ = plan_from_traced(
             traced, dg.module_tree,
             PlanOptions(num_devices=len(devices), num_microbatch=self.num_microbatch,
                         device_model=DeviceModel.for_device(devices[0].torch_device),
-                        memory_cap=backend._memory_cap(), num_stages=opts.num_stages,
+                        memory_cap=cap, memory_cap_origin=origin, num_stages=opts.num_stages,
                         recompute_grain=opts.recompute_grain),
             cost_scale=1.0 / self.num_microbatch, notes=(note,))
         self.program = self.plan.program

@@ -110,12 +110,17 @@ class PlanOptions:
     device_model: DeviceModel
     """Throughput figures of the devices (compute, PCIe link)."""
     memory_cap: int | None = None
-    """Bytes one stage may use on a device (None: unlimited)."""
+    """Bytes a device may hold: one job at its peak together with the weights prefetched
+    for the next job, i.e. a bound on ``StagePlan.device_memory_bytes`` (None:
+    unlimited)."""
     num_stages: int | None = None
     """Exact number of stages (None: the fewest, at least ``num_devices + 1``, that fit
     the cap)."""
     recompute_grain: str = "stage"
     """Grain shown in the plan and assumed by the OOM advice (each call may override)."""
+    memory_cap_origin: str = ""
+    """Where the cap came from (e.g. ``memory_fraction 0.9 of the 21.3 GiB measured free
+    on cuda:0``), for the error when nothing fits."""
 
 
 def plan_from_traced(traced: TracedGraph, tree: ModuleTree, options: PlanOptions, *,
@@ -161,7 +166,8 @@ def compile_model(
             estimated per microbatch.
         example_is_microbatch: the example is one microbatch rather than a whole batch.
         device_model: throughput figures for the cost model (default: the CPU's).
-        memory_cap: bytes one stage may use on a device (None: unlimited).
+        memory_cap: bytes a device may hold, a job and the next job's prefetched weights
+            together (None: unlimited).
         num_stages: exact number of stages (default: ``num_devices + 1``, more when the
             memory cap demands it).
         recompute_grain: default grain shown in the plan (each call may override it).
@@ -208,11 +214,13 @@ def make_plan(
     memory_cap, recompute_grain = options.memory_cap, options.recompute_grain
     costs = report.units
     # 4. partition: exact min-max over forward, fused tail and backward stages.
+    weights = _UnitWeights(program)
     cuts = _choose_cuts(costs, num_devices=num_devices, memory_cap=memory_cap,
                         num_stages=options.num_stages, names=[u.name for u in units],
                         recompute_grain=recompute_grain,
-                        fits=_fits_by_lifetimes(report.memory, options),
-                        unit_memory=_unit_memory(report.memory, options))
+                        fits=_fits_by_lifetimes(report.memory, options, weights),
+                        unit_memory=_unit_memory(report.memory, options, weights),
+                        cap_origin=options.memory_cap_origin)
     ranges = ([("fwd", p) for p in cuts.forward_parts]
               + [("fused", (cuts.tail_start, len(costs)))]
               + [("bwd", p) for p in reversed(cuts.backward_parts)])
@@ -220,7 +228,8 @@ def make_plan(
     stash = plan_recompute(program, ranges)
     # 6b. codegen: a program per stage that calls its unit programs in order.
     stage_modules = tuple(build_stage_module(program, a, b)[0] for _, (a, b) in ranges)
-    stages = tuple(_stage_spec(i, kind, rng, program, units, report, cuts, options)
+    prefetch = max(weights.stage(a, b) for _, (a, b) in ranges)
+    stages = tuple(_stage_spec(i, kind, rng, program, units, report, cuts, options, prefetch)
                    for i, (kind, rng) in enumerate(ranges))
     schedule = simulate_round_robin(
         [s.est_time_s for s in stages], num_microbatch, num_devices,
@@ -258,10 +267,26 @@ def _bwd_memory(c: UnitCost) -> int:
     return c.param_bytes + c.trainable_bytes + c.activation_bytes
 
 
-def _fits_by_lifetimes(memory: MemoryModel | None, options: PlanOptions
-                       ) -> Callable[[PipelineCuts], bool] | None:
-    """Whether every stage of some cuts fits the cap by the lifetime estimate (None
-    without a cap or without the estimate: the summed unit costs decide alone)."""
+class _UnitWeights:
+    """Bytes of state a stage of units ``[start, stop)`` uploads (shared slots once)."""
+
+    def __init__(self, program: ModelProgram) -> None:
+        self._units = program.units
+        self._nbytes = {s.name: s.nbytes for s in program.state}
+
+    def stage(self, start: int, stop: int) -> int:
+        return sum(self._nbytes[s] for s in {s for u in self._units[start:stop] for s in u.state})
+
+    def largest_unit(self) -> int:
+        return max((self.stage(i, i + 1) for i in range(len(self._units))), default=0)
+
+
+def _fits_by_lifetimes(memory: MemoryModel | None, options: PlanOptions,
+                       weights: _UnitWeights) -> Callable[[PipelineCuts], bool] | None:
+    """Whether some cuts fit the cap by the lifetime estimate: the largest job together
+    with the largest weights a device prefetches meanwhile, ``device_memory_bytes`` of
+    the plan they make (None without a cap or without the estimate: the summed unit
+    costs decide alone)."""
     cap = options.memory_cap
     if memory is None or cap is None:
         return None
@@ -270,28 +295,38 @@ def _fits_by_lifetimes(memory: MemoryModel | None, options: PlanOptions
         ranges = ([("fwd", p) for p in cuts.forward_parts]
                   + [("fused", (cuts.tail_start, len(memory.program.units)))]
                   + [("bwd", p) for p in cuts.backward_parts])
+        prefetch = max(weights.stage(*rng) for _, rng in ranges)
         return all(memory.stage_bytes(kind, rng, num_microbatch=options.num_microbatch,
                                       num_devices=options.num_devices,
-                                      grain=options.recompute_grain) <= cap
+                                      grain=options.recompute_grain) + prefetch <= cap
                    for kind, rng in ranges)
     return fits
 
 
-def _unit_memory(memory: MemoryModel | None, options: PlanOptions) -> list[int] | None:
-    """What each unit needs in a stage of its own, by the lifetime estimate."""
+def _unit_memory(memory: MemoryModel | None, options: PlanOptions, weights: _UnitWeights
+                 ) -> list[int] | None:
+    """What each unit needs on a device in a stage of its own, by the lifetime estimate:
+    its job, and the largest unit's weights prefetched meanwhile (one unit per stage is
+    the least any plan prefetches)."""
     if memory is None or options.memory_cap is None:
         return None
+    prefetch = weights.largest_unit()
     return [memory.unit_bytes(i, num_microbatch=options.num_microbatch,
                               num_devices=options.num_devices, grain=options.recompute_grain)
-            for i in range(len(memory.program.units))]
+            + prefetch for i in range(len(memory.program.units))]
 
 
 def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int | None,
                  num_stages: int | None, names: Sequence[str],
                  recompute_grain: str = "stage",
                  fits: Callable[[PipelineCuts], bool] | None = None,
-                 unit_memory: Sequence[int] | None = None) -> PipelineCuts:
+                 unit_memory: Sequence[int] | None = None,
+                 cap_origin: str = "") -> PipelineCuts:
     """The fewest stages (at least devices + 1) that satisfy the memory cap, balanced.
+
+    ``memory_cap`` bounds a device: a job and the weights prefetched for the next one.
+    Without the lifetime estimate, each stage's summed unit costs must fit half of it
+    (the stage computing and the one prefetched, each at most that).
 
     With ``fits`` (the lifetime estimate, passes/memory.py), a stage count is taken when
     its balanced cuts, or else the cuts the summed unit costs allow under the cap, fit by
@@ -302,21 +337,25 @@ def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int
     kwargs = dict(fwd_memory=[_fwd_memory(c) for c in costs],
                   bwd_memory=[_bwd_memory(c) for c in costs],
                   tail_memory=[_bwd_memory(c) for c in costs],
-                  memory_cap=memory_cap)
+                  memory_cap=None if memory_cap is None else memory_cap // 2)
     n = len(costs)
     most = max_pipeline_stages(n)
+    cap_text = "" if memory_cap is None else (
+        f"the device memory cap is {_size(memory_cap)}"
+        + (f" ({cap_origin}; that fraction is the plan's only margin)" if cap_origin else ""))
+    advice = ("raise num_microbatch to shrink activations"
+              + (", use recompute_grain='layer'" if recompute_grain != "layer" else "")
+              + (", raise memory_fraction (up to 1.0)" if cap_origin else "")
+              + ", or give the devices more memory")
     if memory_cap is not None:
-        alone = unit_memory or [_bwd_memory(c) for c in costs]
+        alone = unit_memory or [2 * _bwd_memory(c) for c in costs]
         worst = max(range(n), key=lambda i: alone[i])
         need = alone[worst]
         if need > memory_cap:
             raise PartitionError(
-                f"unit {names[worst]} alone needs {_size(need)} (weights, gradients and one "
-                f"microbatch of activations) but the per-stage memory cap is "
-                f"{_size(memory_cap)}; raise num_microbatch to shrink activations"
-                + (", use recompute_grain='layer'" if recompute_grain != "layer" else "")
-                + ", or give the devices more memory"
-            )
+                f"unit {names[worst]} alone needs an estimated {_size(need)} (weights, "
+                f"gradients and one microbatch's values, with the next stage's weights "
+                f"prefetched) but {cap_text}; {advice}")
     uncapped = dict(kwargs, memory_cap=None)
 
     def attempt(count: int) -> PipelineCuts:
@@ -331,8 +370,8 @@ def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int
             summed = None
         if summed is not None and fits(summed):
             return summed
-        raise PartitionError(f"no cuts into {count} stages found fit the memory cap of "
-                             f"{_size(memory_cap or 0)} by the lifetime estimate")
+        raise PartitionError(f"no cuts into {count} stages found fit by the lifetime "
+                             f"estimate: {cap_text}")
 
     if num_stages is not None:
         return attempt(num_stages)
@@ -351,18 +390,16 @@ def _choose_cuts(costs: Sequence[UnitCost], *, num_devices: int, memory_cap: int
                 raise
     if fits is not None:
         raise PartitionError(
-            f"no stage count between {first} and {most} fits the memory cap of "
-            f"{_size(memory_cap or 0)}: even with one unit per stage some stage's job "
-            f"holds more (weights, gradients and one microbatch's values by their "
-            f"lifetimes); raise num_microbatch to shrink activations"
-            + (", use recompute_grain='layer'" if recompute_grain != "layer" else "")
-            + ", or give the devices more memory") from last_error
+            f"no stage count between {first} and {most} fits: {cap_text}, and even with one "
+            f"unit per stage some job with the prefetched weights holds more (weights, "
+            f"gradients and one microbatch's values by their lifetimes); {advice}"
+        ) from last_error
     raise last_error or PartitionError(f"no stage count between {first} and {most} works")
 
 
 def _stage_spec(index: int, kind: str, units_range: tuple[int, int], program: ModelProgram,
                 units: Sequence[LayerUnit], report: CostReport, cuts: PipelineCuts,
-                options: PlanOptions) -> StageSpec:
+                options: PlanOptions, prefetch: int = 0) -> StageSpec:
     memory_cap, grain = options.memory_cap, options.recompute_grain
     start, stop = units_range
     costs = report.units[start:stop]
@@ -384,7 +421,7 @@ def _stage_spec(index: int, kind: str, units_range: tuple[int, int], program: Mo
                                            num_devices=options.num_devices, grain=grain)
     # The partitioner's costs, in the same integer nanoseconds (see _choose_cuts).
     cost_ns = sum(_ns(c.fwd_s) if kind == "fwd" else _ns(c.fwd_s + c.bwd_s) for c in costs)
-    if memory_cap is not None and memory > 0.9 * memory_cap:
+    if memory_cap is not None and memory + prefetch > 0.9 * memory_cap:
         reason = "memory cap"
     elif cost_ns == cuts.bottleneck:
         reason = "bottleneck"

@@ -51,9 +51,10 @@ class RoundPipeRunConfig:
             summed, anything else is taken from the first microbatch.
         requires_grad: whether :meth:`RoundPipe.forward` records for ``backward()``.
             Default: ``torch.is_grad_enabled()``.
-        memory_fraction: share of the smallest device's free memory the plan may use;
-            each stage gets half of it (the stage computing and the one prefetched).
-            Default: 0.9.  Ignored when ``RoundPipe(memory_cap=...)`` is given or the
+        memory_fraction: share of the smallest device's free memory the plan may use
+            for a job at its peak together with the weights prefetched for the next job
+            (``StagePlan.device_memory_bytes``).  Default: 0.9.  It is the only margin:
+            the estimate it is compared with is the job's own, not padded.  Ignored when ``RoundPipe(memory_cap=...)`` is given or the
             devices have no known capacity (virtual CPU devices without one).
     """
 

@@ -281,13 +281,15 @@ class HostStepEstimate:
         return self.seconds > self.device_seconds
 
     def __str__(self) -> str:
-        verdict = ("the host is the bottleneck: more tokens per step (docs/guide.md) "
-                   "would hide it" if self.host_bound else "hidden behind the devices")
-        return (f"host step {_fmt_time(self.seconds)} per step ({self.optimizer}"
-                + (", assumed" if self.assumed else "")
+        # two lines, so the plan's summary fits 120 columns
+        verdict = "the host is the bottleneck" if self.host_bound else "hidden behind them"
+        return (f"host step {_fmt_time(self.seconds)} per step beside "
+                f"{_fmt_time(self.device_seconds)} on the devices: {verdict}\n"
+                f"  ({self.optimizer}" + (", assumed" if self.assumed else "")
                 + f": {self.bytes_per_param:.0f} B/param x {_fmt_count(self.params)} at "
-                f"{self.bandwidth / 1e9:.1f} GB/s) beside {_fmt_time(self.device_seconds)} "
-                f"on the devices: {verdict}")
+                f"{self.bandwidth / 1e9:.1f} GB/s"
+                + ("; more tokens per step would hide it, see docs/guide.md)"
+                   if self.host_bound else ")"))
 
 
 @dataclass(frozen=True)
@@ -388,7 +390,7 @@ class StagePlan:
             f"{len(self.units)} units on {self.num_devices} device(s), "
             f"{self.num_microbatch} microbatches\nlargest stage {self.bottleneck_ratio:.2f}x "
             f"the ideal balance; device memory needed {self.device_memory_bytes / MiB:.1f} MiB"
-            + (f" (cap {self.memory_cap / MiB:.1f} MiB per stage)" if self.memory_cap else "")
+            + (f" (cap {self.memory_cap / MiB:.1f} MiB)" if self.memory_cap else "")
             + (f"\n{self.host_step}" if self.host_step is not None else "")
             + (f"\nunit names without their common prefix {prefix!r}" if prefix else "")
         )

@@ -96,7 +96,7 @@ def test_plan_with_importable_module_and_example(factory_file, capsys, monkeypat
     monkeypatch.chdir(factory_file.parent)
     out = _plan_output(capsys, "cli_factory_models:model_only", "--example",
                        "torch.randn(4, 16)", "--memory-cap", "1MiB")
-    assert "(cap 1.0 MiB per stage)" in out
+    assert "(cap 1.0 MiB)" in out
 
 
 def _error(capsys, *argv) -> str:

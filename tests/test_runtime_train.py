@@ -479,8 +479,8 @@ def test_replan_options_stay_in_force_for_later_calls():
     x, y = _data(0)
     pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
     before = len(pipe.plan.stages)
-    # just under the largest stage's estimate: that stage must split
-    tight = pipe.replan(memory_cap=max(s.memory_bytes for s in pipe.plan.stages) - 1)
+    # just under what the plan needs on a device: some stage must split
+    tight = pipe.replan(memory_cap=pipe.plan.device_memory_bytes - 1)
     assert len(tight.stages) > before
     pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
     assert pipe.plan is tight  # used to fall back to the uncapped plan

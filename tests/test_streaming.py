@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import threading
 import time
 
@@ -101,29 +102,70 @@ def test_at_most_two_stages_of_weights_are_resident_and_the_next_one_is_prefetch
 def test_plan_cap_comes_from_device_capacity_and_memory_fraction():
     pipe, args = _gpt_pipe(2, device_memory="4MiB")
     pipe.forward_backward(**args)
-    assert pipe.plan.memory_cap == int(4 * 2**20 * 0.9 / 2)
-    assert all(s.memory_bytes <= pipe.plan.memory_cap for s in pipe.plan.stages)
+    # The whole fraction bounds a job with the next weights prefetched: no hidden margin.
+    assert pipe.plan.memory_cap == int(4 * 2**20 * 0.9)
+    assert pipe.plan.device_memory_bytes <= pipe.plan.memory_cap
     stages_default = len(pipe.plan.stages)
-    # A smaller fraction for one call re-partitions (no new trace) into more stages: pick
-    # one whose cap lies between the largest unit and the largest stage.
-    unit = max(c.param_bytes + c.trainable_bytes + c.activation_bytes for c in pipe.plan.costs)
-    stage = max(s.memory_bytes for s in pipe.plan.stages)
-    assert unit < stage
-    fraction = (unit + stage) / (4 * 2**20)  # cap = fraction * capacity / 2
+    # A fraction just under what that plan needs re-partitions (no new trace) into more
+    # stages, and the new plan fits it.
+    fraction = (pipe.plan.device_memory_bytes - 1) / (4 * 2**20)
     pipe.forward_backward(**args, run_config=RoundPipeRunConfig(memory_fraction=fraction))
-    assert pipe.plan.memory_cap == int(4 * 2**20 * fraction / 2)
+    assert pipe.plan.memory_cap == int(4 * 2**20 * fraction)
     assert len(pipe.plan.stages) > stages_default
-    assert all(s.memory_bytes <= pipe.plan.memory_cap for s in pipe.plan.stages)
+    assert pipe.plan.device_memory_bytes <= pipe.plan.memory_cap
     assert len(pipe.plans) == 1
     with pytest.raises(ConfigError, match="memory_fraction must be a number in"):
         RoundPipeRunConfig(memory_fraction=1.5)
     pipe.close()
 
 
+def _sum_loss(out, _label):
+    logits = out["logits"] if isinstance(out, dict) else out
+    return logits.float().square().mean()
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp", "bnnet"])
+@pytest.mark.parametrize("tight", [False, True])
+def test_a_plan_under_a_device_cap_holds_within_it_when_measured(name, tight):
+    """What a device holds, measured (every storage its threads create, not only uploads),
+    stays within the capacity the plan was cut for: memory_fraction is enough margin.
+    ``tight``: a capacity between the least any plan needs and what the uncapped plan
+    needs, so the cap decides the cuts."""
+    model, inputs, kwargs = getattr(models, name)(batch=8)
+    run = RoundPipeRunConfig(num_microbatch=2)
+    probe = RoundPipe(model, devices=["cpu"] * 2, model_run_config=run)
+    need = probe.compile(inputs, kwargs).device_memory_bytes
+    memory = probe._current.analysis.report.memory
+    least = (max(memory.unit_bytes(i, num_microbatch=2, num_devices=2)
+                 for i in range(len(memory.program.units)))
+             + max(c.param_bytes for c in probe.plan.costs))
+    uncapped_stages = len(probe.plan.stages)
+    probe.close()
+    assert least < need
+    cap = (least + need) // 2 if tight else need
+    capacity = int(cap / 0.9) + 1
+    pipe = RoundPipe(model, devices=["cpu"] * 2, model_run_config=run, measure_memory=True,
+                     device_memory=capacity)
+    out = pipe.forward_backward(input_args=inputs, input_kwargs=kwargs, loss_fn=_sum_loss)
+    assert torch.isfinite(out)
+    assert pipe.plan.device_memory_bytes <= pipe.plan.memory_cap <= capacity
+    assert (len(pipe.plan.stages) > uncapped_stages) == tight
+    peaks = [d.peak_allocated_bytes for d in pipe.stats().devices]
+    assert all(p is not None and 0 < p <= capacity for p in peaks), (peaks, capacity)
+    pipe.close()
+
+
 def test_a_unit_larger_than_the_budget_is_refused_at_compile_time():
     pipe, args = _gpt_pipe(2, device_memory="64KiB")
-    with pytest.raises(PartitionError, match="alone needs .* but the per-stage memory cap"):
+    with pytest.raises(PartitionError) as info:
         pipe.forward_backward(**args)
+    text = str(info.value)
+    # the estimate, the free memory it was measured against, and the only margin
+    assert re.search(r"alone needs an estimated \d+ bytes .* but the device memory cap is "
+                     r"\d+ bytes", text), text
+    assert "memory_fraction 0.9 of the 0.1 MiB measured free on cpu:" in text
+    assert "that fraction is the plan's only margin" in text
+    assert "raise memory_fraction (up to 1.0)" in text
     pipe.close()
 
 

@@ -1,7 +1,7 @@
 """The call layer both front ends (``RoundPipe`` and the ``torch.compile`` backend) share.
 
 Per call, before the executor runs: the random-op keys of its microbatches, the caller's
-autocast state, and the per-stage memory cap.  Around autograd: one ``autograd.Function``
+autocast state, and the device memory cap.  Around autograd: one ``autograd.Function``
 (:class:`PipelinedFunction`) over a :class:`PipelinedCall`, which each front end
 implements.  Splitting inputs and merging outputs (and their gradients) live in
 :mod:`.microbatch`; folding parameter gradients in :func:`.host_state.fold_unit_grads`.
@@ -43,14 +43,23 @@ def autocast_state(devices: Sequence[Device]) -> tuple[str, torch.dtype] | None:
     return kind, torch.get_autocast_dtype(kind)
 
 
-def memory_cap(devices: Sequence[Device], fraction: float) -> int | None:
-    """Bytes one stage may use: half of ``fraction`` of the smallest free device memory
-    (two stages' weights are resident per device while the next one streams in); None
-    where a device cannot say how much is free."""
+def memory_budget(devices: Sequence[Device], fraction: float) -> tuple[int | None, str]:
+    """Bytes the plan may use on each device, ``fraction`` of the smallest free memory
+    (one job at its peak and the weights prefetched for the next, together: the fraction
+    is the only margin), and where that figure came from, for error messages.  (None,
+    "") where a device cannot say how much is free."""
     free = [d.free_bytes() for d in devices]
     if any(f is None for f in free):
-        return None
-    return int(min(free) * fraction / 2)  # type: ignore[type-var]
+        return None, ""
+    i = min(range(len(free)), key=lambda k: free[k])  # type: ignore[arg-type,return-value]
+    cap = int(free[i] * fraction)  # type: ignore[operator]
+    return cap, (f"memory_fraction {fraction:g} of the {free[i] / 2**20:.1f} MiB measured "
+                 f"free on {devices[i].name}")
+
+
+def memory_cap(devices: Sequence[Device], fraction: float) -> int | None:
+    """The cap of :func:`memory_budget` alone."""
+    return memory_budget(devices, fraction)[0]
 
 
 # --- autograd ------------------------------------------------------------------------------

@@ -494,13 +494,20 @@ class Executor:
             free = device.free_bytes()
             have = f"the device ran out of memory ({(free or 0) / mib:.2f} MiB free)"
         stage = self.plan.stages[job.stage] if 0 <= job.stage < len(self.plan.stages) else None
-        need = (f"the stage needs about {stage.memory_bytes / mib:.2f} MiB per job and "
-                if stage is not None else "")
+        need = (f"the plan estimated {stage.memory_bytes / mib:.2f} MiB for this stage's job "
+                f"and {self.plan.device_memory_bytes / mib:.2f} MiB for a device with the "
+                f"next weights prefetched"
+                + (f", under a cap of {self.plan.memory_cap / mib:.2f} MiB "
+                   f"(memory_fraction of the free memory measured when it was planned, "
+                   f"or RoundPipe(memory_cap=); that is the only margin)"
+                   if self.plan.memory_cap else "")
+                + "; " if stage is not None else "")
         layer = ("; if that is not enough, use recompute_grain='layer'"
                  if grain != "layer" else "")
         return OutOfMemoryError(
-            f"{where} does not fit: {need}{have}. Raise num_microbatch (smaller "
-            f"microbatches, less activation memory){layer}; or give the devices more memory")
+            f"{where} does not fit: {need}{have}. Lower memory_fraction (smaller stages, "
+            f"more margin) or raise num_microbatch (smaller microbatches, less activation "
+            f"memory){layer}; or give the devices more memory")
 
     def _start_load(self, call: _Call, job: Job) -> None:
         """Start uploading ``job``'s state on its device's weight loader."""
