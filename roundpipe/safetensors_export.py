@@ -98,18 +98,23 @@ def save_sharded(state: dict[str, Any], out_dir: str | os.PathLike[str],
     meta = {"format": "pt", **(metadata or {})}
     names = [WEIGHTS] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        target = os.path.join(out_dir, name)
-        temp = os.path.join(out_dir, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
+    # Every shard is written and flushed under a temporary name first, then all are renamed
+    # in one go: an export interrupted while writing (the long part) leaves the earlier
+    # export whole, never new shards beside old ones under the old index.
+    temps = [os.path.join(out_dir, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+             for name in names]
+    try:
+        for temp, shard in zip(temps, shards):
             st.save_file(shard, temp, metadata=meta)
             with open(temp, "rb+") as f:
                 os.fsync(f.fileno())
-            os.replace(temp, target)
-        except BaseException:
+        for temp, name in zip(temps, names):
+            os.replace(temp, os.path.join(out_dir, name))
+    except BaseException:
+        for temp in temps:
             if os.path.exists(temp):
                 os.unlink(temp)
-            raise
+        raise
     written = [os.path.join(out_dir, n) for n in names]
     index_path = os.path.join(out_dir, INDEX)
     if len(shards) > 1:

@@ -113,3 +113,27 @@ def test_transformers_loads_an_exported_checkpoint_and_pipe_save_pretrained(tmp_
     pipe.save_pretrained(tmp_path / "hf", max_shard_size="50KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     pipe.close()
+
+
+def test_an_export_interrupted_while_writing_leaves_the_earlier_one_whole(tmp_path,
+                                                                          monkeypatch):
+    """A re-export that fails at its last shard (a full disk, Ctrl-C) leaves every earlier
+    shard and the index as they were: never new shards beside old ones."""
+    pipe, opt = _trained()
+    pipe.save_pretrained(tmp_path, max_shard_size="20KB")
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    pipe.forward_backward(input_args=(torch.randint(0, 64, (4, 8)),),
+                          label=torch.randint(0, 64, (4, 8)), loss_fn=models.lm_loss)
+    pipe.step(lambda: (opt.step(), opt.zero_grad()))  # new weights: every shard differs
+    real, calls = safetensors_torch.save_file, []
+
+    def fail_last(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == len(before) - 1:  # the last shard (the index is not a shard)
+            raise KeyboardInterrupt
+        real(tensors, path, metadata=metadata)
+    monkeypatch.setattr(safetensors_torch, "save_file", fail_last)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before
+    pipe.close()
