@@ -187,9 +187,24 @@ def load_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise CheckpointError(f"{os.fspath(path)!r} is not a roundpipe checkpoint "
                               f"(expected format {_FORMAT!r})")
+    if optimizer is not None and state.get("optimizer") is not None:
+        _check_groups(state["optimizer"], optimizer, os.fspath(path))  # before any change
     pipe.load_state_dict(state["model"])
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
     return state.get("extra")
+
+
+def _check_groups(saved: Any, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """The checks ``optimizer.load_state_dict`` makes, made before the model's weights are
+    loaded, so a mismatch leaves everything as it was."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    theirs = [len(g.get("params", ())) for g in groups or ()]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if theirs != mine:
+        raise CheckpointError(
+            f"{path!r} holds an optimizer with {len(theirs)} parameter group(s) of {theirs} "
+            f"parameters, this one has {mine}; nothing was loaded: create the optimizer "
+            "over pipe.optim_parameters() with the same groups as the saved run")

@@ -380,6 +380,13 @@ def load_optimizer(path: str, meta: dict[str, Any], pipe: RoundPipe,
                    optimizer: torch.optim.Optimizer) -> None:
     """Load the optimizer state by parameter name; a ``ZeroRedundancyOptimizer`` reads
     only its own shard's."""
+    optimizer.load_state_dict(optimizer_state(path, meta, pipe, optimizer))
+
+
+def optimizer_state(path: str, meta: dict[str, Any], pipe: RoundPipe,
+                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The state dict :func:`load_optimizer` loads, read and checked against
+    ``optimizer``'s groups without changing anything."""
     saved = meta["optimizer"]
     names = _param_names(pipe, optimizer)
     index: dict[str, int] = {}
@@ -408,16 +415,21 @@ def load_optimizer(path: str, meta: dict[str, Any], pipe: RoundPipe,
     param_groups = [{**{k: v for k, v in g.items() if k != "params"},
                      "params": [index[n] for n in names_here]}
                     for g, names_here in zip(groups, mine)]
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    return {"state": state, "param_groups": param_groups}
 
 
 def load_sharded(path: str, pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
                  scaler: GradScaler | None) -> Any:
     path = resolve(path)
     meta = read_meta(path)
-    pipe.load_state_dict(model_state(path, meta))
-    if optimizer is not None and meta.get("optimizer") is not None:
-        load_optimizer(path, meta, pipe, optimizer)
+    model = model_state(path, meta)
+    # Everything read and checked before anything changes: an optimizer with other groups
+    # is refused with the model's weights untouched.
+    opt_state = (optimizer_state(path, meta, pipe, optimizer)
+                 if optimizer is not None and meta.get("optimizer") is not None else None)
+    pipe.load_state_dict(model)
+    if opt_state is not None:
+        optimizer.load_state_dict(opt_state)  # type: ignore[union-attr]
     if scaler is not None and meta.get("scaler") is not None:
         scaler.load_state_dict(meta["scaler"])
     return meta.get("extra")

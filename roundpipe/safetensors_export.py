@@ -157,7 +157,9 @@ def export_weights(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLik
     from . import checkpoint_sharded
     from .checkpoint import CheckpointError, _FORMAT
 
+    from .checkpoint_async import wait_for_saves
     _safetensors()  # fail before reading anything
+    wait_for_saves()  # an asynchronous save to this path may still be writing it
     path = os.fspath(checkpoint)
     if os.path.isdir(path) or not os.path.exists(path):
         directory = checkpoint_sharded.resolve(path)

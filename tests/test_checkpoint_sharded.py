@@ -301,3 +301,21 @@ def test_a_save_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_pat
     assert sorted(os.listdir(tmp_path / "store")) == ["ck"]
     assert load_checkpoint(target, pipe, opt) == 2
     pipe.close()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_an_optimizer_with_other_groups_is_refused_before_anything_loads(tmp_path,
+                                                                         sharded):
+    pipe, opt, scaler = _setup(1)
+    _train(pipe, opt, scaler, range(1))
+    save_checkpoint(tmp_path / "ck", pipe, opt, sharded=sharded)
+    _train(pipe, opt, scaler, range(1, 2))
+    pipe.synchronize()
+    weights = {n: p.detach().clone() for n, p in pipe.optim_named_parameters()}
+    params = list(pipe.optim_parameters())
+    other = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    with pytest.raises(CheckpointError, match="parameter group"):
+        load_checkpoint(tmp_path / "ck", pipe, other)
+    pipe.synchronize()
+    _assert_bitwise({n: p.detach() for n, p in pipe.optim_named_parameters()}, weights)
+    pipe.close()
