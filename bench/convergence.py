@@ -102,7 +102,11 @@ def val_loss(model: torch.nn.Module, val: tuple[torch.Tensor, torch.Tensor]) -> 
 
 
 def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
-          args: argparse.Namespace) -> dict:
+          args: argparse.Namespace, steps: int | None = None,
+          snapshot_at: int | None = None) -> dict:
+    """``steps`` steps (default all); ``snapshot_at``: also keep the weights after that
+    many steps (what a shorter run must equal)."""
+    steps = args.steps if steps is None else steps
     model = GPT(256, d=args.d, layers=args.layers, heads=args.heads, max_len=args.seq)
     model.load_state_dict(init)
     mb = args.num_microbatch
@@ -128,9 +132,9 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
         probe.load_state_dict(pipe.state_dict())  # the masters; the schedule is kept
         return val_loss(probe, val)
 
-    curve, train_losses = [], []
+    curve, train_losses, snapshot = [], [], None
     started = time.perf_counter()
-    bar = tqdm(range(args.steps), desc=run, dynamic_ncols=True)
+    bar = tqdm(range(steps), desc=run, dynamic_ncols=True)
     for step in bar:
         x, y = batches[step]
         lr = lr_at(step, args)
@@ -153,15 +157,19 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
                 opt.zero_grad()
             pipe.step(step_fn, is_async=run != "exact")
         train_losses.append(loss.item())
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+        if snapshot_at == step + 1:
+            weights = pipe.state_dict() if pipe is not None else model.state_dict()
+            snapshot = {k: v.detach().clone() for k, v in weights.items()}
+        if (step + 1) % args.eval_every == 0 or step + 1 == steps:
             curve.append((step + 1, evaluate()))
             bar.set_postfix(train=f"{train_losses[-1]:.3f}", val=f"{curve[-1][1]:.3f}")
     elapsed = time.perf_counter() - started
     final = (pipe.state_dict() if pipe is not None else model.state_dict())
     if pipe is not None:
         pipe.close()
-    return {"curve": curve, "train": train_losses, "seconds": elapsed,
-            "weights": {k: v.detach().clone() for k, v in final.items()}}
+    return {"curve": curve, "train": train_losses, "seconds": elapsed, "steps": steps,
+            "weights": {k: v.detach().clone() for k, v in final.items()},
+            "snapshot": snapshot}
 
 
 def plot(results: dict[str, dict], path: str, args: argparse.Namespace) -> None:
@@ -204,6 +212,9 @@ def main() -> None:
     parser.add_argument("--runs", default=",".join(RUNS), help="which runs, in order")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async4-steps", type=int, default=None,
+                        help="run async4 this many steps only and compare it bitwise with "
+                             "async's weights after as many (default: all steps)")
     parser.add_argument("--png", default=os.path.join(ROOT, "docs", "convergence.png"))
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
                                                        "convergence.json"))
@@ -231,29 +242,36 @@ def main() -> None:
     print(f"GPT: {args.params / 1e6:.2f} M parameters, {args.steps} steps of "
           f"{args.batch} x {args.seq} bytes, {args.num_microbatch} microbatches")
 
+    short = args.async4_steps if args.async4_steps else args.steps
     results: dict[str, dict] = {}
     for run in runs:
-        results[run] = train(run, init, batches, val, args)
-        print(f"{run}: {results[run]['seconds'] / args.steps:.2f} s/step")
+        results[run] = train(run, init, batches, val, args,
+                             steps=short if run == "async4" else None,
+                             snapshot_at=short if run == "async" else None)
+        print(f"{run}: {results[run]['seconds'] / results[run]['steps']:.2f} s/step")
 
     eager = results.get("eager")
     print(f"\n{'run':8} {'final val loss':>15} {'vs eager':>9} {'s/step':>7}")
     for run, result in results.items():
+        if result["steps"] != args.steps:
+            continue  # the shortened bitwise check: no final loss to compare
         final = result["curve"][-1][1]
         gap = f"{(final / eager['curve'][-1][1] - 1) * 100:+.2f}%" if eager else ""
-        print(f"{run:8} {final:15.4f} {gap:>9} {result['seconds'] / args.steps:7.2f}")
+        print(f"{run:8} {final:15.4f} {gap:>9} {result['seconds'] / result['steps']:7.2f}")
     if "async" in results and "async4" in results:
         a, b = results["async"], results["async4"]
-        same = a["train"] == b["train"] and all(
-            torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
-        print(f"async on 4 devices bitwise equal to async on 1: {'yes' if same else 'NO'}")
+        n = b["steps"]
+        same = a["train"][:n] == b["train"] and all(
+            torch.equal(a["snapshot"][k], b["weights"][k]) for k in a["snapshot"])
+        print(f"async on 4 devices bitwise equal to async on 1 over {n} steps (losses and "
+              f"weights): {'yes' if same else 'NO'}")
 
     if args.json:
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()},
                        "runs": {r: {"curve": v["curve"], "train": v["train"],
-                                    "seconds_per_step": v["seconds"] / args.steps}
+                                    "seconds_per_step": v["seconds"] / v["steps"]}
                                 for r, v in results.items()}}, f, indent=1)
         print(f"wrote {args.json}")
     if args.png:
