@@ -243,8 +243,8 @@ class StageSpec:
         est_time_s: estimated time per microbatch (measured unit times when available).
         act_in_bytes, act_out_bytes: activation bytes entering / leaving per microbatch.
         memory_bytes: estimated device memory for one job: the most its tensors hold at
-            once (weights, gradients, one microbatch's values by their lifetimes, the
-            next microbatch's inputs), from a replay on fake tensors (passes/memory.py).
+            once (weights, gradients, one microbatch's values by their lifetimes), from a
+            replay on fake tensors (passes/memory.py).
         recompute: ``"none"`` for forward and fused stages, else the default grain.
         reason: why the stage boundary is where it is.
     """

@@ -16,10 +16,17 @@ the :class:`~roundpipe.ops.storage_ledger.StorageLedger` that measures real runs
   one is added next to it.
 
 A job's estimate is its weights + the replay's peak, plus, with several microbatches, the
-accumulated gradients, the next microbatch's inputs (uploaded while this one computes)
-and, on one device, the outputs a forward job keeps for its earlier microbatches (the
-next job runs only after it).  On virtual devices this lands within 0.95-1.15 of the
-measured ``RunStats.stage_peak_bytes`` (``tests/test_memory_model.py``).
+accumulated gradients and, on one device, the outputs a forward job keeps for its earlier
+microbatches (the next job runs only after it).  The next microbatch's inputs are not
+added: ``JobRunner.run_microbatch`` uploads them once the current microbatch's values are
+freed.  (It used to upload them before the current one computed when they were on the
+host already: always on one device, but on several only when the producing job, on
+another device, happened to be a microbatch ahead, so a stage's peak was one
+microbatch's inputs more or not by thread timing: 12-21% of a ResNet backward stage's.)
+A value leaves the device when its download is issued (a measured virtual device reads
+it at once, as the ledger on CUDA sees it, not when its waiter thread gets to it, which
+on a loaded host can be a microbatch later).  On virtual devices this lands within
+0.95-1.15 of the measured ``RunStats.stage_peak_bytes`` (``tests/test_memory_model.py``).
 """
 
 from __future__ import annotations
@@ -101,17 +108,14 @@ class MemoryModel:
         if self.scale != 1.0:
             # The replay ran at the example's size: activations shrink, gradients do not.
             peak = int(peak * self.scale) + (grads if kind != "fwd" else 0)
-        total = weights + peak
-        if num_microbatch > 1:
-            total += grads if accumulated else 0
-            # the next microbatch's inputs, uploaded while this one computes
-            total += int(self._bytes_of(self._reads(kind, start, stop, grain)) * self.scale)
-        return total
+        # The next microbatch's inputs are not added: the runner uploads them once this
+        # one's values are freed (JobRunner.run_microbatch).
+        return weights + peak + (grads if accumulated else 0)
 
     def _reads(self, kind: str, start: int, stop: int, grain: str) -> tuple[str, ...]:
-        """The host values the job uploads for a microbatch (all before it starts: the
-        runner prefetches them); at the layer grain every unit reads its inputs from the
-        stash, values of its own stage included."""
+        """The host values the job uploads for a microbatch (all before it computes); at
+        the layer grain every unit reads its inputs from the stash, values of its own
+        stage included."""
         if kind == "bwd" and grain == "layer":
             return tuple(dict.fromkeys(v for u in self.program.units[start:stop]
                                        for v in u.inputs))

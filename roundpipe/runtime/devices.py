@@ -6,8 +6,9 @@ virtual CPU device exercises the same ordering logic a GPU does:
 * the *controller* runs jobs in submission order (``submit``);
 * the *weight loader* uploads a stage's state ahead of its job (``load_weights``): while
   job ``k`` computes, job ``k + D``'s weights are already on their way (double buffering);
-* the *activation loader* uploads the next microbatch's inputs while the current one
-  computes (``upload_async``);
+* the *activation loader* uploads a microbatch's inputs ahead of its compute
+  (``upload_async``; the job runner asks for the next microbatch's once the current one's
+  values are freed: on a GPU its kernels are still running then);
 * the *download waiter* learns when downloads have landed in host memory
   (``after_downloads``), so the controller never blocks on a copy: it goes on launching
   the next microbatch while the host side of the last one completes.
@@ -370,6 +371,14 @@ class VirtualCPUDevice(Device):
             with self.memory.host():
                 out = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
         self._account_download(_nbytes(out), category)
+        if self.measure_memory:
+            # The source is read now, into a host copy the waiter fills ``out`` from: a
+            # pending copy holding the device tensor would count it as this device's
+            # memory for as long as the waiter thread lags (on a loaded host, a microbatch
+            # or more), where a GPU's copy engine frees it right after the kernels that
+            # made it (and the ledger on CUDA sees its Python reference go at once).
+            with self.memory.host():
+                tensor = tensor.clone()
         # Copied on the waiter thread, like a copy on a CUDA download stream: the host
         # tensor is filled only once an after_downloads() future issued after it completes.
         self._downloads.submit(self._fill, out, tensor)

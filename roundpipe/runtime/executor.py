@@ -17,9 +17,10 @@ stage, is the unit of autograd:
 
 Transfers overlap compute through the device interface: the weights of job ``k + D`` (the
 next job on the same device) start uploading when job ``k`` starts (double buffering, at
-most two stages resident), the next microbatch's inputs upload while the current one
-computes, and when consecutive jobs share a device (one device) values are handed over on
-the device instead of making the host round trip.
+most two stages resident), the next microbatch's inputs upload once the current one's
+values are freed (on a GPU, beside its kernels still running), and when consecutive jobs
+share a device (one device) values are handed over on the device instead of making the
+host round trip.
 
 Nothing is committed to host state until every job succeeded; a failing call leaves
 weights, gradients and buffers as they were.

@@ -295,11 +295,21 @@ class JobRunner:
 
     # --- microbatches --------------------------------------------------------------------
     def run_microbatch(self, mb: int, next_ready: bool) -> None:
+        """Run microbatch ``mb``, then start uploading microbatch ``mb + 1``'s inputs if
+        they are on the host (``next_ready``: they were when ``mb`` began; they are
+        checked again now).
+
+        The next inputs upload once this microbatch's values are freed, not before it
+        computes: whether they are on the host by then depends on how far the producing
+        job (on another device) runs ahead, so uploading them then made a job's peak one
+        microbatch's inputs more or not by thread timing, and the plan had to budget
+        them on top of the working set (``passes/memory.py``).  On a GPU the copy still
+        runs beside this microbatch's kernels, which the controller has only queued; and
+        readiness is checked a microbatch later, so the upload is early more often.
+        """
         if self.skip:
             return
         self.prefetch(mb)
-        if next_ready:
-            self.prefetch(mb + 1)  # overlaps this microbatch's compute
         if self.job.kind == "fwd":
             self._forward(mb)
         elif self.job.kind == "fused":
@@ -309,6 +319,8 @@ class JobRunner:
         else:
             self._backward_stage(mb)
         self._release_microbatch(mb)
+        if next_ready or self.ex._ready(self.call, self.job, mb + 1):
+            self.prefetch(mb + 1)
 
     def _forward(self, mb: int) -> None:
         values: dict[str, Any] = {}
