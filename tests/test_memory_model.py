@@ -47,6 +47,18 @@ def _vit():
     return model, (torch.randn(8, 3, 32, 32),), {}, torch.randint(0, 10, (8,))
 
 
+def _t5():  # encoder-decoder: the decoder reads the encoder's output in every block
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 128, (8, 32), generator=g)
+    labels = torch.randint(1, 128, (8, 16), generator=g)
+    return model, (), {"input_ids": ids, "labels": labels}, labels
+
+
 def _resnet():  # BatchNorm: running statistics are written by the forward
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -56,7 +68,7 @@ def _resnet():  # BatchNorm: running statistics are written by the forward
     return model, (torch.randn(8, 3, 32, 32),), {}, torch.randint(0, 10, (8,))
 
 
-CASES = {"gpt": _gpt, "llama": _hf_lm("llama"), "bert": _hf_lm("bert"),
+CASES = {"gpt": _gpt, "llama": _hf_lm("llama"), "bert": _hf_lm("bert"), "t5": _t5,
          "qwen3_moe": _hf_lm("qwen3_moe"), "vit": _vit, "resnet": _resnet}
 
 FAST = [("gpt", 4, 1, "stage"), ("gpt", 1, 4, "layer"), ("gpt", 4, 4, "layer"),
