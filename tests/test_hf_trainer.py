@@ -118,6 +118,92 @@ def test_exact_steps_log_what_plain_trainer_logs(tmp_path, accumulation, clip, l
                           rtol=1e-4, atol=1e-5)
 
 
+def _mean_loss_func(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func that averages over the call's labelled tokens (it ignores
+    num_items_in_batch): with loss_is_scaled_for_ga=False, Trainer divides it by the
+    accumulation steps."""
+    logits = outputs["logits"][:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def _masked_rows() -> list[dict]:
+    rows = _rows(seed=3)
+    for row in rows:  # BERT's masked LM: a loss on every other token
+        row["labels"] = row["labels"].clone()
+        row["labels"][::2] = -100
+    return rows
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                            target_modules=["q_proj", "v_proj"]))
+
+
+@pytest.mark.parametrize("case", ["mean_model_loss", "label_smoothing",
+                                  "mean_compute_loss_func", "lora_label_smoothing"])
+def test_losses_that_do_not_add_up_over_microbatches_log_what_plain_trainer_logs(tmp_path,
+                                                                                 case):
+    """Losses that are means over the call, not sums normalised by Trainer's
+    num_items_in_batch: BERT's (its forward takes num_items_in_batch among its kwargs and
+    never reads it), label smoothing without loss kwargs, a compute_loss_func that averages
+    (loss_is_scaled_for_ga=False).  Each microbatch's loss is weighted by its share of the
+    labels, so the pipe logs plain Trainer's losses and norms, with accumulation.  With
+    LoRA, label smoothing shifts the labels as for the causal LM under the adapters, in
+    training and in evaluation."""
+    args, extra, data, build = dict(max_steps=3, gradient_accumulation_steps=2), {}, _rows(), _model
+    plain_cls, pipe_cls = Trainer, RoundPipeTrainer
+    if case == "mean_model_loss":
+        data, build = _masked_rows(), lambda: hf.build("bert")
+    elif case == "label_smoothing":
+        args["label_smoothing_factor"] = 0.1
+
+        def build():
+            m = _model()
+            m.accepts_loss_kwargs = False
+            return m
+    elif case == "mean_compute_loss_func":
+        extra["compute_loss_func"] = _mean_loss_func
+        plain_cls = type("MeanLossTrainer", (Trainer,), {"loss_is_scaled_for_ga": False})
+        pipe_cls = type("MeanLossPipeTrainer", (RoundPipeTrainer,),
+                        {"loss_is_scaled_for_ga": False})
+    else:
+        args["label_smoothing_factor"] = 0.1
+
+        def build():
+            return _lora(_model())
+    plain = plain_cls(model=build(), args=_args(str(tmp_path / "plain"), **args),
+                      train_dataset=data, **extra)
+    plain.train()
+    piped = pipe_cls(model=build(), args=_args(str(tmp_path / "pipe"), **args),
+                     train_dataset=data, pipe_options=PIPE, async_step=False, **extra)
+    piped.train()
+    for key in ("loss", "grad_norm"):
+        want, got = _logged(plain, key), _logged(piped, key)
+        assert len(got) == 3 and max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, \
+            (key, got, want)
+    if case == "lora_label_smoothing":
+        held_out = _rows(8, seed=1)
+        assert _rel(piped.evaluate(held_out)["eval_loss"],
+                    plain.evaluate(held_out)["eval_loss"]) <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_trainer_counts_on_its_device_and_the_pipe_gets_cpu_inputs(tmp_path):
+    """Without use_cpu, args.device is cuda:0 and Trainer counts num_items_in_batch there
+    (in training and in evaluation); the pipe takes its inputs on the CPU."""
+    trainer = RoundPipeTrainer(model=_model(), args=_args(str(tmp_path), max_steps=2,
+                                                         use_cpu=False),
+                               train_dataset=_rows(), eval_dataset=_rows(8, seed=1),
+                               pipe_options=dict(PIPE, devices=["cuda:0"] * 2),
+                               async_step=False)
+    assert trainer.args.device.type == "cuda" and trainer.model_accepts_loss_kwargs
+    trainer.train()
+    assert len(_logged(trainer, "loss")) == 2
+    assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
+
+
 class _RecordingTrainer(RoundPipeTrainer):
     """Records the learning rate each step ran with, on the pipe's optimizer thread."""
 

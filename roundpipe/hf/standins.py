@@ -27,6 +27,12 @@ class ModelStandIn:
     def __init__(self, model: torch.nn.Module) -> None:
         self.__dict__["_model"] = model
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance() answers for the model
+        # Trainer.compute_loss asks _is_peft_model(model) (isinstance) to find the causal
+        # LM under LoRA adapters, whose labels label smoothing shifts.
+        return type(self.__dict__["_model"])
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_model"], name)
 
@@ -74,5 +80,9 @@ class Forward(ModelStandIn):
         self.__dict__.update(_pipe=pipe, _autocast=autocast)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Trainer counts num_items_in_batch on args.device (a GPU); the pipe's inputs
+        # stay on the CPU.
+        args, kwargs = pytree.tree_map(
+            lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, (args, kwargs))
         with torch.no_grad(), self._autocast:
             return self._pipe.forward(*args, **kwargs)

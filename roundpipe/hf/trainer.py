@@ -16,6 +16,7 @@ from ..api import RoundPipe
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import RoundPipeRunConfig
 from ..errors import ConfigError
+from ..runtime.signature import flat_leaves
 from .arguments import refuse, split_pipe_options, unsupported
 from .errors import TrainerArgumentError, TrainerLossError
 from .optimizer import NormOfNextStep, PipeOptimizer
@@ -150,31 +151,65 @@ class RoundPipeTrainerMixin:
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         self.model.train()
         inputs = self._prepare_inputs(inputs)
-        if self.loss_is_scaled_for_ga is not None:
-            scaled = self.loss_is_scaled_for_ga
-        else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            # Trainer counts on args.device (a GPU); the pipe takes its inputs on the CPU.
+            num_items_in_batch = num_items_in_batch.cpu()
+        explicit = self.loss_is_scaled_for_ga
+        if explicit is not None:
+            scaled = explicit
+        else:  # Trainer's rule: whether it divides the loss by the accumulation steps
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
                 or self.compute_loss_func is not None
         call_args, call_kwargs = self._model_call(inputs, num_items_in_batch)
         keys, nargs = frozenset(call_kwargs), len(call_args)
         # A loss normalised by num_items_in_batch adds up over microbatches; a mean does
-        # not: weight each microbatch's by its share of the batch's items, then divide by
-        # the accumulation steps as Trainer does.
-        total = None if scaled else _items(inputs, self._loss_shifts_labels)
+        # not: weight each microbatch's by its share of the batch's items.  Trainer's
+        # rule counts the model's own loss as normalised when the model takes loss
+        # kwargs; one whose traced program never reads num_items_in_batch (BERT's, any
+        # plain CrossEntropyLoss) returns a mean all the same.
+        if explicit is not None:
+            adds_up: bool | None = explicit
+        elif num_items_in_batch is None:
+            adds_up = False
+        elif self.compute_loss_func is not None or self.label_smoother is not None:
+            adds_up = True
+        elif "num_items_in_batch" in call_kwargs:
+            adds_up = None  # the traced program decides (_reads_num_items)
+        else:
+            adds_up = scaled
+        total = _items(inputs, self._loss_shifts_labels)
         steps = 1 if scaled else self.current_gradient_accumulation_steps
 
         def loss_fn(output: Any, mb_inputs: dict[str, Any]) -> torch.Tensor:
+            share = _items(mb_inputs, self._loss_shifts_labels) / total
             with self.compute_loss_context_manager():
+                # A copy: compute_loss pops the labels (label smoothing, compute_loss_func).
                 loss = self.compute_loss(Replay(self.model, output, keys, nargs),
-                                         mb_inputs, num_items_in_batch=num_items_in_batch)
-            if total is not None:
-                loss = loss * (_items(mb_inputs, self._loss_shifts_labels) / total)
+                                         dict(mb_inputs), num_items_in_batch=num_items_in_batch)
+            normalised = adds_up if adds_up is not None else self._reads_num_items(
+                call_args, call_kwargs)
+            if not normalised:
+                loss = loss * share
             return loss / steps if steps != 1 else loss
 
         with self._autocast():
             loss = self.pipe.forward_backward(input_args=call_args, input_kwargs=call_kwargs,
                                               label=dict(inputs), loss_fn=loss_fn)
         return loss.detach().to(self.args.device)
+
+    def _reads_num_items(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the program of the pipe's current call reads the model's
+        ``num_items_in_batch`` argument (unknown: as Trainer assumes, it does)."""
+        entry = getattr(self.pipe, "_current", None)
+        if entry is None:
+            return True
+        signature = entry.plan.program.inputs
+        marker = object()
+        leaves = flat_leaves(signature, args, {**kwargs, "num_items_in_batch": marker})
+        if leaves is None or len(leaves) != len(signature.names):
+            return True
+        return next((name is not None for name, leaf in zip(signature.names, leaves)
+                     if leaf is marker), True)
 
     def _model_call(self, inputs: dict[str, Any], num_items_in_batch: Any
                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
