@@ -219,6 +219,39 @@ class _RecordingTrainer(RoundPipeTrainer):
         return optimizer
 
 
+def test_roundpipe_optim_steps_from_the_gradients_where_they_landed(tmp_path):
+    """With roundpipe.optim.AdamW, clipping (and the logged norm) goes through
+    pipe.clip_grad_norm_: no float32 .grad is made (4 bytes per parameter on the host),
+    and the losses and norms stay plain Trainer's (fused AdamW, torch's clipping)."""
+    from roundpipe.runtime.masters import raw_grad
+
+    class Counting(RoundPipeTrainer):
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            inner, self.fp32_grads = optimizer.inner, []
+            params = [p for g in inner.param_groups for p in g["params"]]
+            step = inner.step
+
+            def counting_step(*args, **kwargs):
+                self.fp32_grads.append(sum(raw_grad(p) is not None for p in params))
+                return step(*args, **kwargs)
+            inner.step = counting_step
+            return optimizer
+
+    args = dict(max_steps=3, max_grad_norm=0.5, optim="adamw_torch_fused")
+    plain = Trainer(model=_model(), args=_args(str(tmp_path / "plain"), **args),
+                    train_dataset=_rows())
+    plain.train()
+    piped = Counting(model=_model(), args=_args(str(tmp_path / "pipe"), **args),
+                     train_dataset=_rows(), pipe_options=PIPE, async_step=False,
+                     optimizer_cls_and_kwargs=(roundpipe.optim.AdamW, dict(lr=1e-2)))
+    piped.train()
+    assert piped.fp32_grads == [0, 0, 0]
+    for key in ("loss", "grad_norm"):
+        want, got = _logged(plain, key), _logged(piped, key)
+        assert len(got) == 3 and max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, key
+
+
 def _resume_run(out: str, checkpoint: str | None) -> RoundPipeTrainer:
     trainer = _RecordingTrainer(
         model=_model(dropout=0.1),

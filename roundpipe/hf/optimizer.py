@@ -55,15 +55,15 @@ class PipeOptimizer(torch.optim.Optimizer):
         hyper = self._hyper()
         norm = torch.zeros((), dtype=torch.float32)
         self.grad_norm = norm
-        inner, max_norm = self.inner, self.max_grad_norm
-        params = [p for g in inner.param_groups for p in g["params"]]
+        inner, max_norm, pipe = self.inner, self.max_grad_norm, self.pipe
 
         def step_fn() -> None:  # on the pipe's optimizer thread
             for group, values in zip(inner.param_groups, hyper):
                 group.update(values)
             # Trainer measures the norm at every step, clipping or not (inf: no clipping).
-            total = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0
-                                                   else float("inf"))
+            # The pipe's clip leaves gradients held where they landed (roundpipe.optim);
+            # torch's would read p.grad, which converts each to a float32 .grad.
+            total = pipe.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
             norm.copy_(total)
             inner.step()
             inner.zero_grad()
