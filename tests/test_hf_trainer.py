@@ -287,16 +287,11 @@ def test_resume_from_a_checkpoint_in_a_fresh_process_is_bitwise(tmp_path):
         assert torch.equal(weights[name], p), name
 
 
-def test_sft_trainer_with_lora_trains_the_adapters_only(tmp_path):
-    """TRL's SFTTrainer with peft_config: the same losses as plain SFTTrainer; the base
-    weights stay as they were, the adapters move."""
-    import trl  # in the test extra
+def _sft_data():
+    """A character tokenizer (made anew per call) and tokenized rows for SFTTrainer."""
     from datasets import Dataset
-    from peft import LoraConfig
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from roundpipe.hf import RoundPipeSFTTrainer
 
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{chr(40 + i): i for i in range(3, hf.VOCAB)}}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -304,9 +299,24 @@ def test_sft_trainer_with_lora_trains_the_adapters_only(tmp_path):
     rows = Dataset.from_list([{"input_ids": r["input_ids"].tolist()}
                               for r in _rows(16, ragged=False)])
 
+    def tokenizer():
+        return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
+                                       eos_token="<eos>", unk_token="<unk>")
+    return tokenizer, rows
+
+
+def test_sft_trainer_with_lora_trains_the_adapters_only(tmp_path):
+    """TRL's SFTTrainer with peft_config: the same losses as plain SFTTrainer; the base
+    weights stay as they were, the adapters move."""
+    import trl  # in the test extra
+    from peft import LoraConfig
+
+    from roundpipe.hf import RoundPipeSFTTrainer
+
+    make_tokenizer, rows = _sft_data()
+
     def run(cls, **extra):
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
-                                            eos_token="<eos>", unk_token="<unk>")
+        tokenizer = make_tokenizer()
         args = trl.SFTConfig(output_dir=str(tmp_path / cls.__name__), max_steps=3,
                              per_device_train_batch_size=4, learning_rate=1e-2, bf16=False,
                              optim="adamw_torch", logging_steps=1, save_strategy="no",
@@ -337,6 +347,26 @@ def test_sft_trainer_with_lora_trains_the_adapters_only(tmp_path):
     for name, p in piped.model.get_base_model().named_parameters():
         if "lora_" not in name:
             assert torch.equal(p, base[name.replace(".base_layer", "")]), name
+
+
+@pytest.mark.parametrize("packing", [dict(padding_free=True, max_length=None),
+                                     dict(packing=True)])
+def test_sft_batches_flattened_into_one_row_are_refused_at_construction(tmp_path, packing):
+    """padding_free (and packing's default 'bfd' strategy, which implies it) put a batch
+    in one row with its sequences' boundaries beside it: refused, naming the argument and
+    packing_strategy='wrapped'."""
+    import trl
+
+    from roundpipe.hf import RoundPipeSFTTrainer
+
+    make_tokenizer, rows = _sft_data()
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                         bf16=False, report_to=[], use_cpu=True, **packing)
+    with pytest.raises(TrainerArgumentError, match="packing_strategy='wrapped'") as error:
+        RoundPipeSFTTrainer(model=_model(), args=args, train_dataset=rows,
+                            processing_class=make_tokenizer(), pipe_options=PIPE)
+    assert ("padding_free=True" if "padding_free" in packing else "packing=True") \
+        in str(error.value)
 
 
 def test_what_cannot_run_on_a_pipe_is_refused_at_construction(tmp_path):

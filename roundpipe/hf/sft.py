@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .arguments import refuse
 from .errors import TrainerArgumentError
 from .trainer import RoundPipeTrainerMixin
 
@@ -61,6 +62,14 @@ def make_sft_trainer() -> type:
         ``peft_config`` included), with a fused LM head roundpipe can trace."""
 
         def _prepare_model_for_pipe(self) -> None:
+            if getattr(self, "padding_free", False):
+                args = self.args
+                name = (f"packing=True, packing_strategy={args.packing_strategy!r}"
+                        if args.packing and not args.padding_free else "padding_free=True")
+                refuse([f"{name}: the collator flattens a batch into one row with the "
+                        "sequences' boundaries beside it (position_ids, cu_seq_lens), which "
+                        "cannot be cut into microbatches; use packing_strategy='wrapped' "
+                        "(rows of max_length) or padding_free=False"], type(self).__name__)
             model = self.model
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             text = base.config.get_text_config()
