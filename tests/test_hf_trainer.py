@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -141,8 +142,21 @@ def _lora(model: torch.nn.Module) -> torch.nn.Module:
                                             target_modules=["q_proj", "v_proj"]))
 
 
+class _MeanLoss:
+    """A compute_loss of one's own: a mean over the call's labelled tokens."""
+
+    loss_is_scaled_for_ga = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = _mean_loss_func(outputs, labels)
+        return (loss, outputs) if return_outputs else loss
+
+
 @pytest.mark.parametrize("case", ["mean_model_loss", "label_smoothing",
-                                  "mean_compute_loss_func", "lora_label_smoothing"])
+                                  "mean_compute_loss_func", "own_mean_compute_loss",
+                                  "lora_label_smoothing"])
 def test_losses_that_do_not_add_up_over_microbatches_log_what_plain_trainer_logs(tmp_path,
                                                                                  case):
     """Losses that are means over the call, not sums normalised by Trainer's
@@ -168,6 +182,9 @@ def test_losses_that_do_not_add_up_over_microbatches_log_what_plain_trainer_logs
         plain_cls = type("MeanLossTrainer", (Trainer,), {"loss_is_scaled_for_ga": False})
         pipe_cls = type("MeanLossPipeTrainer", (RoundPipeTrainer,),
                         {"loss_is_scaled_for_ga": False})
+    elif case == "own_mean_compute_loss":
+        plain_cls = type("OwnLossTrainer", (_MeanLoss, Trainer), {})
+        pipe_cls = type("OwnLossPipeTrainer", (_MeanLoss, RoundPipeTrainer), {})
     else:
         args["label_smoothing_factor"] = 0.1
 
@@ -187,6 +204,21 @@ def test_losses_that_do_not_add_up_over_microbatches_log_what_plain_trainer_logs
         held_out = _rows(8, seed=1)
         assert _rel(piped.evaluate(held_out)["eval_loss"],
                     plain.evaluate(held_out)["eval_loss"]) <= 1e-5
+
+
+def test_own_compute_loss_without_loss_is_scaled_for_ga_is_warned_about(tmp_path):
+    unset = type("Unset", (_MeanLoss,), {"loss_is_scaled_for_ga": None})
+    for cls, warned in ((type("A", (unset, RoundPipeTrainer), {}), True),
+                        (type("B", (_MeanLoss, RoundPipeTrainer), {}), False),
+                        (RoundPipeTrainer, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cls(model=_model(), args=_args(str(tmp_path)), train_dataset=_rows(),
+                pipe_options=PIPE)
+        found = [w for w in caught if "loss_is_scaled_for_ga" in str(w.message)]
+        assert bool(found) is warned, cls
+        if warned:
+            assert "_MeanLoss.compute_loss" in str(found[0].message)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

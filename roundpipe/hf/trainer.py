@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ class RoundPipeTrainerMixin:
         # batch-size scaling stay off, as for a model placed across devices.
         self.args._n_gpu = 1
         self._train_batch_size = self.args.per_device_train_batch_size
+        _warn_if_loss_scale_unknown(self, run_config.num_microbatch)
         self._prepare_model_for_pipe()
         self.pipe = RoundPipe(self.model, model_run_config=run_config, **pipe_kwargs)
         if self._async_step and not self.pipe._state.has_masters:
@@ -277,6 +279,23 @@ class RoundPipeTrainerMixin:
             log.info("roundpipe: %s has no %s; masters taken from the loaded weights",
                      folder, PIPE_STATE_NAME)
             self.pipe.load_state_dict(self.model.state_dict())
+
+
+def _warn_if_loss_scale_unknown(trainer: Any, num_microbatch: int | None) -> None:
+    """A ``compute_loss`` of the user's own, with ``loss_is_scaled_for_ga`` unset, counts
+    as normalised by ``num_items_in_batch`` (Trainer's rule), so its microbatch losses
+    are added: a mean would come out ``num_microbatch`` times too large.  Say so."""
+    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in vars(c))
+    if trainer.loss_is_scaled_for_ga is not None or num_microbatch == 1 \
+            or owner is transformers.Trainer or owner.__module__.split(".")[0] == "trl":
+        return
+    warnings.warn(
+        f"{owner.__name__}.compute_loss is your own and loss_is_scaled_for_ga is unset, so "
+        "its loss counts as normalised by num_items_in_batch, as Trainer counts it: the "
+        "pipe adds the microbatches' losses, and a mean over the call comes out "
+        "num_microbatch times too large. Set loss_is_scaled_for_ga on the trainer class: "
+        "False for a mean (each microbatch's is weighted by its share of the labels), True "
+        "for a loss divided by num_items_in_batch", UserWarning, stacklevel=3)
 
 
 def _items(inputs: dict[str, Any], shifted: bool) -> float:
