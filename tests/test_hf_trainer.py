@@ -206,6 +206,24 @@ def test_losses_that_do_not_add_up_over_microbatches_log_what_plain_trainer_logs
                     plain.evaluate(held_out)["eval_loss"]) <= 1e-5
 
 
+def test_a_last_batch_smaller_than_num_microbatch_runs(tmp_path):
+    """9 rows in batches of 4: the epoch's last batch (and evaluation's) has one row, fewer
+    than num_microbatch=2; it runs as one microbatch (it raised InputError at the end of
+    the epoch), with plain Trainer's losses."""
+    args = dict(max_steps=-1, num_train_epochs=1, per_device_eval_batch_size=4)
+    plain = Trainer(model=_model(), args=_args(str(tmp_path / "plain"), **args),
+                    train_dataset=_rows(9))
+    plain.train()
+    piped = RoundPipeTrainer(model=_model(), args=_args(str(tmp_path / "pipe"), **args),
+                             train_dataset=_rows(9), pipe_options=PIPE, async_step=False)
+    piped.train()
+    want, got = _logged(plain, "loss"), _logged(piped, "loss")
+    assert len(got) == 3 and max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, (got, want)
+    held_out = _rows(9, seed=1)
+    assert _rel(piped.evaluate(held_out)["eval_loss"],
+                plain.evaluate(held_out)["eval_loss"]) <= 1e-5
+
+
 def test_own_compute_loss_without_loss_is_scaled_for_ga_is_warned_about(tmp_path):
     unset = type("Unset", (_MeanLoss,), {"loss_is_scaled_for_ga": None})
     for cls, warned in ((type("A", (unset, RoundPipeTrainer), {}), True),

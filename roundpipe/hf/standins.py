@@ -11,7 +11,20 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..api import RoundPipe
+from ..config import RoundPipeRunConfig
+from ..runtime.signature import leading_size
 from .errors import TrainerLossError
+
+
+def fitted_run_config(pipe: RoundPipe, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> RoundPipeRunConfig | None:
+    """A batch with fewer rows than ``num_microbatch`` (an epoch's last, evaluation's
+    last) runs as one microbatch per row; None: the pipe's own configuration."""
+    config = pipe._config(None)
+    rows = leading_size(args, kwargs)
+    if config.split_input is None and 0 < rows < config.num_microbatch:
+        return RoundPipeRunConfig(num_microbatch=rows)
+    return None
 
 
 class Called(Exception):
@@ -85,4 +98,5 @@ class Forward(ModelStandIn):
         args, kwargs = pytree.tree_map(
             lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, (args, kwargs))
         with torch.no_grad(), self._autocast:
-            return self._pipe.forward(*args, **kwargs)
+            return self._pipe.forward(
+                *args, run_config=fitted_run_config(self._pipe, args, kwargs), **kwargs)

@@ -21,7 +21,7 @@ from ..runtime.signature import flat_leaves
 from .arguments import refuse, split_pipe_options, unsupported
 from .errors import TrainerArgumentError, TrainerLossError
 from .optimizer import NormOfNextStep, PipeOptimizer
-from .standins import Called, Forward, Recorder, Replay
+from .standins import Called, Forward, Recorder, Replay, fitted_run_config
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,10 @@ class RoundPipeTrainerMixin:
             return loss / steps if steps != 1 else loss
 
         with self._autocast():
-            loss = self.pipe.forward_backward(input_args=call_args, input_kwargs=call_kwargs,
-                                              label=dict(inputs), loss_fn=loss_fn)
+            loss = self.pipe.forward_backward(
+                input_args=call_args, input_kwargs=call_kwargs, label=dict(inputs),
+                loss_fn=loss_fn,
+                run_config=fitted_run_config(self.pipe, call_args, call_kwargs))
         return loss.detach().to(self.args.device)
 
     def _reads_num_items(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
