@@ -183,7 +183,7 @@ class RoundPipeTrainerMixin:
         steps = 1 if scaled else self.current_gradient_accumulation_steps
 
         def loss_fn(output: Any, mb_inputs: dict[str, Any]) -> torch.Tensor:
-            share = _items(mb_inputs, self._loss_shifts_labels) / total
+            share = _items(mb_inputs, self._loss_shifts_labels) / total if total else 0.0
             with self.compute_loss_context_manager():
                 # A copy: compute_loss pops the labels (label smoothing, compute_loss_func).
                 loss = self.compute_loss(Replay(self.model, output, keys, nargs),
@@ -191,6 +191,10 @@ class RoundPipeTrainerMixin:
             normalised = adds_up if adds_up is not None else self._reads_num_items(
                 call_args, call_kwargs)
             if not normalised:
+                if share == 0:
+                    # A mean over no labelled item is NaN (0/0); on the whole batch it
+                    # counts for nothing, and so does it here (its gradients are zero).
+                    return (loss * 0.0).nan_to_num(0.0)
                 loss = loss * share
             return loss / steps if steps != 1 else loss
 
@@ -302,16 +306,14 @@ def _warn_if_loss_scale_unknown(trainer: Any, num_microbatch: int | None) -> Non
 
 def _items(inputs: dict[str, Any], shifted: bool) -> float:
     """What a mean loss over ``inputs`` averages: labels that are not -100 (from the
-    second position on where the model shifts them), else samples."""
+    second position on where the model shifts them; none may be), else samples."""
     labels = inputs.get("shift_labels")
     if labels is None:
         labels = inputs.get("labels")
         if isinstance(labels, torch.Tensor) and shifted and labels.dim() >= 2:
             labels = labels[..., 1:]
     if isinstance(labels, torch.Tensor):
-        count = int(labels.ne(-100).sum())
-        if count:
-            return float(count)
+        return float(labels.ne(-100).sum())
     for value in inputs.values():
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
             return float(value.shape[0])
