@@ -362,6 +362,24 @@ def _sft_data():
     return tokenizer, rows
 
 
+def test_roundpipe_pt_is_in_the_checkpoint_before_trainer_state(tmp_path, monkeypatch):
+    """Trainer writes trainer_state.json last (and may push the folder to the Hub just
+    before): the pipe's state is already there then."""
+    from transformers.trainer_callback import TrainerState
+
+    seen, save = [], TrainerState.save_to_json
+
+    def recording_save(self, path):
+        seen.append(os.path.isfile(os.path.join(os.path.dirname(path), "roundpipe.pt")))
+        return save(self, path)
+    monkeypatch.setattr(TrainerState, "save_to_json", recording_save)
+    trainer = RoundPipeTrainer(model=_model(), args=_args(str(tmp_path), max_steps=2,
+                                                         save_strategy="steps", save_steps=1),
+                               train_dataset=_rows(), pipe_options=PIPE)
+    trainer.train()
+    assert seen == [True, True]
+
+
 def test_sft_trainer_with_lora_trains_the_adapters_only(tmp_path):
     """TRL's SFTTrainer with peft_config: the same losses as plain SFTTrainer; the base
     weights stay as they were, the adapters move."""

@@ -259,13 +259,16 @@ class RoundPipeTrainerMixin:
         super()._save(output_dir, state_dict=state_dict)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial),
                                   f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             # Masters, the weights the next call reads and the dropout streams' counter:
-            # what a bitwise resume needs beyond the model files and optimizer.pt.
+            # what a bitwise resume needs beyond the model files and optimizer.pt.  Written
+            # first: Trainer's trainer_state.json (written last) then marks a complete
+            # checkpoint, and a push of the folder (hub_strategy) finds it.
+            os.makedirs(folder, exist_ok=True)
             save_checkpoint(os.path.join(folder, PIPE_STATE_NAME), self.pipe)
+        super()._save_checkpoint(model, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
