@@ -52,8 +52,7 @@ def unsupported(args: transformers.TrainingArguments | None, model_init: Any,
          "is traced; drop it"),
         ("activation_offloading", bool(getattr(args, "activation_offloading", False)),
          "roundpipe keeps activations in check itself (backward stages recompute their "
-         "forward, RoundPipeRunConfig.recompute_grain); TRL's offloading hooks the model "
-         "outside the traced stages; drop it"),
+         "forward, RoundPipeRunConfig.recompute_grain); drop it"),
         ("auto_find_batch_size", bool(args.auto_find_batch_size),
          "set per_device_train_batch_size and num_microbatch yourself"),
         ("debug", "underflow_overflow" in str(args.debug),
