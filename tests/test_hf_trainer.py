@@ -425,11 +425,14 @@ def test_sft_trainer_with_lora_trains_the_adapters_only(tmp_path):
 
 
 @pytest.mark.parametrize("packing", [dict(padding_free=True, max_length=None),
-                                     dict(packing=True), dict(activation_offloading=True)])
+                                     dict(packing=True), dict(activation_offloading=True),
+                                     dict(label_smoothing_factor=0.1), {}])
 def test_sft_options_a_pipe_cannot_run_are_refused_at_construction(tmp_path, packing):
     """padding_free (and packing's default 'bfd' strategy, which implies it) put a batch
     in one row with its sequences' boundaries beside it: refused, naming the argument and
-    packing_strategy='wrapped'.  activation_offloading too (before TRL hooks the model)."""
+    packing_strategy='wrapped'.  activation_offloading too (before TRL hooks the model),
+    and label smoothing and compute_loss_func, with which SFTTrainer calls the model twice
+    per step (TrainerLossError at the first step before)."""
     import trl
 
     from roundpipe.hf import RoundPipeSFTTrainer
@@ -437,13 +440,17 @@ def test_sft_options_a_pipe_cannot_run_are_refused_at_construction(tmp_path, pac
     make_tokenizer, rows = _sft_data()
     args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
                          bf16=False, report_to=[], use_cpu=True, **packing)
+    extra = {} if packing else {"compute_loss_func": _mean_loss_func}
     with pytest.raises(TrainerArgumentError) as error:
         RoundPipeSFTTrainer(model=_model(), args=args, train_dataset=rows,
-                            processing_class=make_tokenizer(), pipe_options=PIPE)
-    name = next(iter(packing))
-    assert f"{name}=True" in str(error.value)
-    if name != "activation_offloading":
+                            processing_class=make_tokenizer(), pipe_options=PIPE, **extra)
+    name = next(iter(packing), "compute_loss_func")
+    assert f"{name}={packing[name]!r}" in str(error.value) if packing \
+        else f"{name}:" in str(error.value)
+    if name in ("padding_free", "packing"):
         assert "packing_strategy='wrapped'" in str(error.value)
+    if name in ("label_smoothing_factor", "compute_loss_func"):  # it calls the model twice
+        assert "RoundPipeTrainer" in str(error.value)
 
 
 def test_what_cannot_run_on_a_pipe_is_refused_at_construction(tmp_path):

@@ -62,14 +62,23 @@ def make_sft_trainer() -> type:
         ``peft_config`` included), with a fused LM head roundpipe can trace."""
 
         def _prepare_model_for_pipe(self) -> None:
+            args, found = self.args, []
             if getattr(self, "padding_free", False):
-                args = self.args
                 name = (f"packing=True, packing_strategy={args.packing_strategy!r}"
                         if args.packing and not args.padding_free else "padding_free=True")
-                refuse([f"{name}: the collator flattens a batch into one row with the "
-                        "sequences' boundaries beside it (position_ids, cu_seq_lens), which "
-                        "cannot be cut into microbatches; use packing_strategy='wrapped' "
-                        "(rows of max_length) or padding_free=False"], type(self).__name__)
+                found.append(f"{name}: the collator flattens a batch into one row with the "
+                             "sequences' boundaries beside it (position_ids, cu_seq_lens), "
+                             "which cannot be cut into microbatches; use packing_strategy="
+                             "'wrapped' (rows of max_length) or padding_free=False")
+            # SFTTrainer.compute_loss then calls the model twice (the logits, then the
+            # fused head for its metrics); a pipelined step runs it once per microbatch.
+            twice = "SFTTrainer calls the model twice per step with it, a pipe runs it " \
+                "once; train with RoundPipeTrainer (same arguments) or drop it"
+            if self.compute_loss_func is not None:
+                found.append(f"compute_loss_func: {twice}")
+            if self.label_smoother is not None and args.loss_type == "nll":
+                found.append(f"label_smoothing_factor={args.label_smoothing_factor!r}: {twice}")
+            refuse(found, type(self).__name__)
             model = self.model
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             text = base.config.get_text_config()
