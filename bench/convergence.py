@@ -19,7 +19,10 @@ order, AdamW with warmup and cosine decay, gradients clipped to 1.0:
 * ``async``: roundpipe, ``step(is_async=True)`` (each call uses the weights from before the
   previous step), one device;
 * ``async4``: the same on four virtual CPU devices; with ``num_microbatch`` fixed it must
-  be bitwise equal to ``async`` (checked and printed).
+  be bitwise equal to ``async`` (checked and printed);
+* ``stale``: plain PyTorch again, each gradient taken at the weights from before the
+  previous step (the schedule ``async`` follows, without roundpipe): tells what the
+  staleness costs from what roundpipe would add.
 
 The validation loss of a pipe is measured on a copy of the model loaded with
 ``pipe.state_dict()`` (the masters, after every step taken), which waits for a pending
@@ -51,7 +54,7 @@ import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 from train_gpt import GPT  # noqa: E402
 
-RUNS = ("eager", "exact", "async", "async4")
+RUNS = ("eager", "exact", "async", "async4", "stale")
 
 
 def corpus(holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -111,7 +114,11 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
     model.load_state_dict(init)
     mb = args.num_microbatch
     pipe = None
-    if run == "eager":
+    lagged = None
+    if run == "stale":  # eager, each gradient taken at the weights one step old
+        lagged = GPT(256, d=args.d, layers=args.layers, heads=args.heads, max_len=args.seq)
+        lagged.load_state_dict(init)
+    if run in ("eager", "stale"):
         params = list(model.parameters())
     else:
         pipe = roundpipe.RoundPipe(model, devices=["cpu"] * (4 if run == "async4" else 1),
@@ -138,7 +145,18 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
     for step in bar:
         x, y = batches[step]
         lr = lr_at(step, args)
-        if pipe is None:
+        if lagged is not None:
+            loss = F.cross_entropy(lagged(x).flatten(0, 1), y.flatten())
+            grads = torch.autograd.grad(loss, list(lagged.parameters()))
+            for p, g in zip(params, grads):
+                p.grad = g
+            lagged.load_state_dict(model.state_dict())  # the weights this step starts from
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            opt.zero_grad()
+        elif pipe is None:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -181,7 +199,7 @@ def plot(results: dict[str, dict], path: str, args: argparse.Namespace) -> None:
         print(f'matplotlib is missing (pip install -e ".[plot]"): no {path}')
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    styles = {"eager": "-", "exact": "--", "async": "-", "async4": ":"}
+    styles = {"eager": "-", "exact": "--", "async": "-", "async4": ":", "stale": "-."}
     for run, result in results.items():
         steps, losses = zip(*result["curve"])
         ax.plot(steps, losses, styles[run], label=f"{run} ({losses[-1]:.4f})")
