@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import OptimizerError
-from . import kernels
+from . import kernels, native
 from .one_pass import OnePass, advance_step
 
 
@@ -16,20 +16,25 @@ class AdamW(OnePass, torch.optim.AdamW):
     """``torch.optim.AdamW`` with the same arguments, param groups, ``state_dict`` and
     LR-scheduler support.  Given ``pipe.optim_parameters()`` each step reads every
     master's gradient where it landed (in the model's dtype, no fp32 ``.grad``) and
-    writes master and moments in the same pass, through torch's fused AdamW kernel: the
-    result equals ``torch.optim.AdamW(fused=True)`` on the same gradients, bit for bit.
-    Plain parameters are stepped by torch's own AdamW.
+    writes master and moments in the same pass.  Plain parameters are stepped by torch's
+    own AdamW.
 
     ``state_dtype=torch.bfloat16`` keeps the moments in bfloat16 (4 bytes per parameter
     less; the update is still computed in float32).  It applies to every CPU parameter.
+
+    ``kernel``: ``"native"`` runs roundpipe's compiled loop (one pass, reading bf16 where it
+    is; within 1e-6 of torch's AdamW, bitwise the same on any thread or device count),
+    ``"fused"`` torch's fused kernel through a scratch conversion (bit for bit
+    ``torch.optim.AdamW(fused=True)`` on the same gradients, slower), ``"auto"`` (default)
+    the native one where a C compiler can build it, else the fused one.
     """
 
     _torch_base = torch.optim.AdamW
 
     def __init__(self, params: Any, *args: Any, state_dtype: torch.dtype | None = None,
-                 **kwargs: Any) -> None:
+                 kernel: str = "auto", **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
-        self._init_one_pass(state_dtype)
+        self._init_one_pass(state_dtype, kernel)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
@@ -63,4 +68,8 @@ class AdamW(OnePass, torch.optim.AdamW):
             torch._fused_adamw_(params, grads, states[0], states[1],
                                 states[2] if amsgrad else [], steps, **hyper)
 
-        kernels.run_chunked(items, 3 if amsgrad else 2, fused, self._scratch())
+        lib, mine, rest = self._split_native(items)
+        if mine:
+            native.adamw(lib, [w for _, w in mine], [float(i.step) for i, _ in mine],
+                         **hyper)
+        kernels.run_chunked(rest, 3 if amsgrad else 2, fused, self._scratch())

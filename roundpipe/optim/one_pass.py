@@ -4,9 +4,9 @@ that updates them in one pass over host memory.
 For each parameter the optimizer handles itself (a pipe's master, or any CPU parameter
 when ``state_dtype`` is set) a step reads the gradient where it landed (in the model's
 dtype, in the download buffer, unless something materialised ``p.grad``) and updates
-master and moments in one pass of torch's fused kernels (kernels.py, runtime/masters.py).  Every other parameter is
-stepped by torch's own implementation, so plain parameters behave exactly as with
-``torch.optim``.
+master and moments in one pass: roundpipe's compiled loop (native.py), or torch's fused
+kernels through a cache-sized conversion (kernels.py).  Every other parameter is stepped by
+torch's own implementation, so plain parameters behave exactly as with ``torch.optim``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import torch
 
 from ..errors import OptimizerError
 from ..runtime.masters import LandedGrads, owner_of, raw_grad, set_raw_grad
-from . import kernels
+from . import kernels, native
+
+#: the update kernels an optimizer may be asked for (native.py, kernels.py)
+KERNELS = ("auto", "native", "fused")
 
 
 def _unwrapped_step(cls: type) -> Callable[..., Any]:
@@ -42,7 +45,16 @@ class OnePass:
     _torch_base: type[torch.optim.Optimizer]
     state_dtype: torch.dtype | None
 
-    def _init_one_pass(self, state_dtype: torch.dtype | None) -> None:
+    def _init_one_pass(self, state_dtype: torch.dtype | None, kernel: str = "auto") -> None:
+        if kernel not in KERNELS:
+            raise OptimizerError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, "
+                                 f"got {kernel!r}")
+        if kernel == "native" and native.library() is None:
+            raise OptimizerError(
+                f"kernel='native': roundpipe.optim's native kernels could not be built "
+                f"({native.unavailable_reason()}); install a C compiler (or set CC), or "
+                "use kernel='auto', which falls back to torch's fused kernels")
+        self.kernel = kernel
         if state_dtype is not None and (not isinstance(state_dtype, torch.dtype)
                                         or not state_dtype.is_floating_point):
             raise OptimizerError(f"state_dtype must be a floating dtype such as "
@@ -159,6 +171,24 @@ class OnePass:
         """Update every ``(parameter, gradient)`` of ``group`` (kernels.run_chunked)."""
         raise NotImplementedError
 
+    def _split_native(self, items: list[kernels.Item]) -> tuple[
+            Any, list[tuple[kernels.Item, native.Work]], list[kernels.Item]]:
+        """The native library and the items it takes (with their operands), and the rest
+        (for torch's fused kernels)."""
+        lib = None if self.kernel == "fused" else native.library()
+        if lib is None:
+            return None, [], list(items)
+        mine, rest = [], []
+        for item in items:
+            if native.accepts(item.param, item.grad, item.states, len(item.scale)):
+                scale = [float(f) for f in item.scale] + [1.0] * (2 - len(item.scale))
+                mine.append((item, native.Work(item.param.detach(), item.grad.detach(),
+                                               [s.detach() for s in item.states],
+                                               (scale[0], scale[1]))))
+            else:
+                rest.append(item)
+        return lib, mine, rest
+
     def _scratch(self) -> kernels.Scratch:
         scratch = self.__dict__.get("_scratch_buffers")
         if scratch is None:
@@ -212,14 +242,17 @@ class OnePass:
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # type: ignore[misc]
         state["state_dtype"] = self.state_dtype
+        state["kernel"] = self.kernel
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         # load_state_dict calls this too, with torch's keys only: keep the setting then.
         state_dtype = state.pop("state_dtype", getattr(self, "state_dtype", None))
+        kernel = state.pop("kernel", getattr(self, "kernel", "auto"))
         super().__setstate__(state)  # type: ignore[misc]
-        self._init_one_pass(state_dtype)
+        self._init_one_pass(state_dtype, "auto" if kernel == "native" and
+                            native.library() is None else kernel)
         for group in self.param_groups:  # type: ignore[attr-defined]
             for p in group["params"]:
                 owner = owner_of(p)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import kernels
+from . import kernels, native
 from .one_pass import OnePass
 
 
@@ -15,10 +15,10 @@ class SGD(OnePass, torch.optim.SGD):
     """``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize) with
     the same arguments, param groups, ``state_dict`` and LR-scheduler support.  Given
     ``pipe.optim_parameters()`` each step reads every master's gradient where it landed
-    (no fp32 ``.grad``) and writes master and momentum in the same pass, through torch's
-    fused SGD kernel (equal to ``torch.optim.SGD(fused=True)`` bit for bit).
-    Plain parameters are stepped by torch's own SGD.  ``state_dtype``: the momentum
-    buffer's dtype (default float32)."""
+    (no fp32 ``.grad``) and writes master and momentum in the same pass.  Plain
+    parameters are stepped by torch's own SGD.  ``state_dtype``: the momentum buffer's
+    dtype (default float32).  ``kernel``: as for :class:`roundpipe.optim.AdamW`
+    (``"fused"``: bit for bit ``torch.optim.SGD(fused=True)``)."""
 
     _torch_base = torch.optim.SGD
     # torch 2.11-2.13's fused CPU SGD skips whole vector blocks of bf16/fp16 parameters
@@ -26,9 +26,9 @@ class SGD(OnePass, torch.optim.SGD):
     _fused_dtypes = frozenset({torch.float32, torch.float64})
 
     def __init__(self, params: Any, *args: Any, state_dtype: torch.dtype | None = None,
-                 **kwargs: Any) -> None:
+                 kernel: str = "auto", **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
-        self._init_one_pass(state_dtype)
+        self._init_one_pass(state_dtype, kernel)
 
     def _update_group(self, group: dict[str, Any],
                       pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -57,4 +57,7 @@ class SGD(OnePass, torch.optim.SGD):
                 torch._fused_sgd_(params, grads, states[0] if momentum != 0 else [],
                                   is_first_step=is_first, **hyper)
 
-            kernels.run_chunked(items, 1 if momentum != 0 else 0, fused, self._scratch())
+            lib, mine, rest = self._split_native(items)
+            if mine:
+                native.sgd(lib, [w for _, w in mine], first=is_first, **hyper)
+            kernels.run_chunked(rest, 1 if momentum != 0 else 0, fused, self._scratch())

@@ -1,0 +1,257 @@
+"""Native one-pass kernels: the update reads a gradient in the model's dtype (and moments
+in ``state_dtype``) where they are, with no conversion pass.
+
+Why not only torch's parts (kernels.py): torch's fused CPU kernels want every operand in
+the parameter's dtype, so a bf16 gradient is first converted into a scratch buffer chunk
+by chunk, and that costs about a third of the update (measured on 2 cores: AdamW 1.34 s
+per billion parameters against 0.72-0.79 here, bench/optimizer.py).  Inductor-compiled
+update functions read bf16 directly but are called with the GIL held, which on an H100
+host slowed the overlapped training step by 25-30% (docs/benchmarks.md).  So the update is
+a small C loop (native_kernels.c), compiled once per machine with the C compiler that
+inductor also needs, called through ctypes (which releases the GIL) from a few threads.
+Without a compiler everything falls back to kernels.py, with a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("native_kernels.c")
+# No -ffast-math: IEEE division and square root, no reassociation; no contraction into
+# FMAs, so the vector loop and its scalar remainder round alike.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC",
+          "-shared", "-std=c11"]
+#: Elements below which a second thread is not worth starting.
+_MIN_PER_THREAD = 1 << 16
+
+_C_DTYPES = {torch.float32: "32", torch.bfloat16: "16"}
+_f, _i, _i64, _p = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_ADAMW_ARGS = [_p, _p, _p, _p, _p, _i64, _f, _f, _i, _f, _f, _f, _f, _f, _f, _f, _i]
+_SGD_ARGS = [_p, _p, _p, _i64, _f, _f, _f, _f, _i, _i, _f, _f, _i]
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+_failure = ""
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ROUNDPIPE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "roundpipe")
+    return Path(root)
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: a library built on another CPU (a shared home
+    directory) could hold instructions this one lacks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + platform.processor() + flags
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or \
+        shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler] + _FLAGS).encode()
+                         + _cpu_signature().encode()).hexdigest()[:20]
+    target = _cache_dir() / f"optim-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            os.replace(tmp, target)  # whole or absent, if two processes build at once
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    for g in _C_DTYPES.values():
+        for s in _C_DTYPES.values():
+            getattr(lib, f"rp_adamw_g{g}_s{s}").argtypes = _ADAMW_ARGS
+            getattr(lib, f"rp_sgd_g{g}_s{s}").argtypes = _SGD_ARGS
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None where they cannot be built."""
+    global _library, _tried, _failure
+    with _lock:
+        if not _tried:
+            _tried = True
+            if os.environ.get("ROUNDPIPE_NATIVE_OPTIM", "1") == "0":
+                _failure = "ROUNDPIPE_NATIVE_OPTIM=0"
+            else:
+                try:
+                    _library = _build()
+                except Exception as e:  # noqa: BLE001 - any failure means the fallback
+                    _failure = f"{type(e).__name__}: {e}"
+                    log.warning("roundpipe.optim: native kernels unavailable (%s); using "
+                                "torch's fused kernels, which convert bf16 gradients "
+                                "through a scratch buffer (slower)", _failure)
+        return _library
+
+
+def unavailable_reason() -> str:
+    """Why :func:`library` returned None ('' if it did not, or was not asked yet)."""
+    return _failure
+
+
+@dataclass
+class Work:
+    """One parameter's operands for a native call (see :func:`accepts`)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    states: list[torch.Tensor]
+    scale: tuple[float, float] = (1.0, 1.0)
+
+
+def accepts(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
+            n_scales: int) -> bool:
+    """Whether the native kernels take these operands: a float32 CPU parameter, gradient
+    and states in float32 or bfloat16 (the states all alike), all dense, contiguous and of
+    the parameter's size, and at most two gradient factors."""
+    if param.dtype != torch.float32 or n_scales > 2:
+        return False
+    tensors = [param, grad, *states]
+    if any(t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous()
+           or t.numel() != param.numel() for t in tensors):
+        return False
+    if grad.dtype not in _C_DTYPES or any(s.dtype not in _C_DTYPES for s in states):
+        return False
+    return len({s.dtype for s in states}) <= 1
+
+
+def _suffix(work: Work) -> str:
+    state = work.states[0].dtype if work.states else torch.float32
+    return f"g{_C_DTYPES[work.grad.dtype]}_s{_C_DTYPES[state]}"
+
+
+def _ptr(t: torch.Tensor | None, start: int) -> int | None:
+    return None if t is None else t.data_ptr() + start * t.element_size()
+
+
+Call = Callable[[int, int], None]
+
+
+def _run(calls: list[tuple[Call, int]]) -> None:
+    """Run ``call(start, stop)`` over every ``(call, numel)``, the elements split evenly
+    over up to ``torch.get_num_threads()`` threads (the calling one included)."""
+    global _pool, _pool_size
+    total = sum(n for _, n in calls)
+    threads = max(1, min(torch.get_num_threads(), total // _MIN_PER_THREAD))
+    shares: list[list[tuple[Call, int, int]]] = [[] for _ in range(threads)]
+    quota, t, filled = -(-total // threads), 0, 0
+    for call, n in calls:
+        start = 0
+        while start < n:
+            take = min(n - start, quota - filled)
+            shares[t].append((call, start, start + take))
+            start += take
+            filled += take
+            if filled == quota and t < threads - 1:
+                t, filled = t + 1, 0
+
+    def run_share(share: list[tuple[Call, int, int]]) -> None:
+        for call, start, stop in share:
+            call(start, stop)
+
+    if threads == 1:
+        run_share(shares[0])
+        return
+    with _lock:
+        if _pool is None or _pool_size < threads - 1:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=threads - 1,
+                                       thread_name_prefix="roundpipe-optim-native")
+            _pool_size = threads - 1
+        pool = _pool
+    futures = [pool.submit(run_share, share) for share in shares[1:]]
+    try:
+        run_share(shares[0])
+    finally:
+        # Even when interrupted: no thread may still be writing after the step returns.
+        for f in futures:
+            while True:
+                try:
+                    f.result()
+                    break
+                except BaseException:  # noqa: BLE001 - waiting again; the first raise wins
+                    if f.done():
+                        break
+    for f in futures:
+        f.result()  # a worker's own error, if any
+
+
+def adamw(lib: ctypes.CDLL, items: Sequence[Work], steps: Sequence[float], *, lr: float,
+          beta1: float, beta2: float, weight_decay: float, eps: float, amsgrad: bool,
+          maximize: bool) -> None:
+    """torch.optim.AdamW's update of every item, ``steps[i]`` its step count after
+    this step."""
+    w1 = 1.0 - beta1
+    calls: list[tuple[Call, int]] = []
+    for work, step in zip(items, steps):
+        fn = getattr(lib, f"rp_adamw_{_suffix(work)}")
+        bc1 = 1.0 - beta1 ** step
+        bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
+        m, v = work.states[0], work.states[1]
+        vmax = work.states[2] if amsgrad else None
+        consts = (1.0 - lr * weight_decay, w1, int(abs(w1) >= 0.5), beta2, 1.0 - beta2,
+                  lr / bc1, bc2_sqrt, eps, work.scale[0], work.scale[1], int(maximize))
+
+        def call(start: int, stop: int, fn=fn, work=work, m=m, v=v, vmax=vmax,
+                 consts=consts) -> None:
+            fn(_ptr(work.param, start), _ptr(work.grad, start), _ptr(m, start),
+               _ptr(v, start), _ptr(vmax, start), stop - start, *consts)
+
+        calls.append((call, work.param.numel()))
+    _run(calls)
+
+
+def sgd(lib: ctypes.CDLL, items: Sequence[Work], *, first: bool, lr: float,
+        weight_decay: float, momentum: float, dampening: float, nesterov: bool,
+        maximize: bool) -> None:
+    """torch.optim.SGD's update of every item (``first``: the momentum buffers start
+    now)."""
+    calls: list[tuple[Call, int]] = []
+    for work in items:
+        fn = getattr(lib, f"rp_sgd_{_suffix(work)}")
+        buf = work.states[0] if work.states else None
+        consts = (lr, weight_decay, momentum, 1.0 - dampening, int(nesterov), int(first),
+                  work.scale[0], work.scale[1], int(maximize))
+
+        def call(start: int, stop: int, fn=fn, work=work, buf=buf, consts=consts) -> None:
+            fn(_ptr(work.param, start), _ptr(work.grad, start), _ptr(buf, start),
+               stop - start, *consts)
+
+        calls.append((call, work.param.numel()))
+    _run(calls)

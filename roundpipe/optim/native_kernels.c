@@ -1,0 +1,88 @@
+/* roundpipe.optim's native one-pass updates (see native.py).
+ *
+ * Each function updates one contiguous range of a float32 parameter in place, reading its
+ * gradient as stored (bfloat16 or float32) and its state as stored (float32 or bfloat16),
+ * so every operand is read once and every result written once.  Plain C, no OpenMP: the
+ * caller splits the work over threads (ctypes releases the GIL for the call).  Built with
+ * -ffp-contract=off and without -ffast-math, so the vector loop and its scalar remainder
+ * round alike and a result does not depend on where the ranges are cut.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+static inline float bf16_load(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, NaN kept quiet: what torch's float -> bfloat16 conversion does. */
+static inline bf16 bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+
+/* AdamW as torch.optim.AdamW computes it: decay the weight, lerp the first moment towards
+ * the gradient, update the second, divide by its bias-corrected square root plus eps. */
+#define ADAMW(NAME, GT, GLOAD, ST, SLOAD, SSTORE)                                          \
+    void NAME(float *restrict p, const GT *restrict g, ST *restrict m, ST *restrict v,      \
+              ST *restrict vmax, int64_t n, float decay, float w1, int lerp_from_grad,      \
+              float beta2, float one_minus_beta2, float step_size, float bc2_sqrt,          \
+              float eps, float scale0, float scale1, int maximize) {                        \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            float gi = GLOAD(g[i]) * scale0 * scale1;                                       \
+            if (maximize) gi = -gi;                                                         \
+            float pi = p[i] * decay;                                                        \
+            float mi = SLOAD(m[i]);                                                         \
+            mi = lerp_from_grad ? gi - (gi - mi) * (1.0f - w1) : mi + w1 * (gi - mi);       \
+            float vi = SLOAD(v[i]) * beta2 + one_minus_beta2 * gi * gi;                     \
+            m[i] = SSTORE(mi);                                                              \
+            v[i] = SSTORE(vi);                                                              \
+            float vd = vi;                                                                  \
+            if (vmax) {                                                                     \
+                float vm = SLOAD(vmax[i]);                                                  \
+                vd = vm > vi ? vm : vi;                                                     \
+                vmax[i] = SSTORE(vd);                                                       \
+            }                                                                               \
+            p[i] = pi - step_size * mi / (sqrtf(vd) / bc2_sqrt + eps);                      \
+        }                                                                                   \
+    }
+
+ADAMW(rp_adamw_g32_s32, float, f32_load, float, f32_load, f32_store)
+ADAMW(rp_adamw_g16_s32, bf16, bf16_load, float, f32_load, f32_store)
+ADAMW(rp_adamw_g32_s16, float, f32_load, bf16, bf16_load, bf16_store)
+ADAMW(rp_adamw_g16_s16, bf16, bf16_load, bf16, bf16_load, bf16_store)
+
+/* SGD as torch.optim.SGD computes it; buf is NULL without momentum, and on the first step
+ * the buffer starts as the (decayed) gradient. */
+#define SGD(NAME, GT, GLOAD, ST, SLOAD, SSTORE)                                            \
+    void NAME(float *restrict p, const GT *restrict g, ST *restrict buf, int64_t n,         \
+              float lr, float weight_decay, float momentum, float one_minus_dampening,      \
+              int nesterov, int first, float scale0, float scale1, int maximize) {          \
+        for (int64_t i = 0; i < n; i++) {                                                   \
+            float d = GLOAD(g[i]) * scale0 * scale1;                                        \
+            if (maximize) d = -d;                                                           \
+            if (weight_decay != 0.0f) d = d + weight_decay * p[i];                          \
+            if (buf) {                                                                      \
+                float b = first ? d : SLOAD(buf[i]) * momentum + one_minus_dampening * d;   \
+                buf[i] = SSTORE(b);                                                         \
+                d = nesterov ? d + momentum * b : b;                                        \
+            }                                                                               \
+            p[i] = p[i] - lr * d;                                                           \
+        }                                                                                   \
+    }
+
+SGD(rp_sgd_g32_s32, float, f32_load, float, f32_load, f32_store)
+SGD(rp_sgd_g16_s32, bf16, bf16_load, float, f32_load, f32_store)
+SGD(rp_sgd_g32_s16, float, f32_load, bf16, bf16_load, bf16_store)
+SGD(rp_sgd_g16_s16, bf16, bf16_load, bf16, bf16_load, bf16_store)
