@@ -140,17 +140,19 @@ def triad_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     return 3 * nbytes / statistics.median(times)
 
 
-def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str):
+def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str,
+                   kernel: str):
     """roundpipe.optim's step on one flat master, as its optimizers run it on a pipe's
-    masters (``_update_group``: the fused kernel reads the bf16 gradient where it landed,
-    through cache-sized scratch); publishing converts the master."""
+    masters (``_update_group``: the native loop, or torch's fused kernel through
+    cache-sized scratch, reads the bf16 gradient where it landed); publishing converts
+    the master."""
     import roundpipe.optim
     master = torch.nn.Parameter(weight.float())
     grad = landed.clone()
     if kind == "sgd":
-        opt = roundpipe.optim.SGD([master], lr=1e-4, momentum=0.9)
+        opt = roundpipe.optim.SGD([master], lr=1e-4, momentum=0.9, kernel=kernel)
     else:
-        opt = roundpipe.optim.AdamW([master], lr=1e-4, state_dtype=(
+        opt = roundpipe.optim.AdamW([master], lr=1e-4, kernel=kernel, state_dtype=(
             torch.float32 if kind == "adamw" else torch.bfloat16))
     group = opt.param_groups[0]
     return {"refill": lambda: grad.copy_(landed),
@@ -186,11 +188,12 @@ def gil_share(fn: Callable[[], object], repeats: int = 3) -> float:
     return busy / count(0.5)
 
 
-def host_step(n: int, repeats: int) -> None:
+def host_step(n: int, repeats: int, kernels: tuple[str, ...] = ("native", "fused")) -> None:
     """The host's work per step (bf16 model, fp32 masters), phase by phase: torch's path
     (three passes: landing bf16 -> fp32 .grad, fused AdamW, publish fp32 -> bf16) against
     roundpipe.optim's (one pass that reads the landed bf16 gradient, then the same
-    publish), interleaved round by round, against the one-pass
+    publish; with the native kernel and with torch's fused one through scratch),
+    interleaved round by round, against the one-pass
     roofline: bytes per parameter (28 AdamW, 20 AdamW with bf16 state, 12 SGD with
     momentum) over the STREAM-triad bandwidth measured in the same run."""
     weight = torch.randn(n).to(torch.bfloat16)
@@ -203,14 +206,17 @@ def host_step(n: int, repeats: int) -> None:
     paths = {"torch AdamW (fused)": {"landing": lambda: master.grad.copy_(landed),
                                      "update": opt.step,
                                      "publish": lambda: weight.copy_(master.detach())}}
-    for kind, label in (("adamw", "roundpipe.optim.AdamW"),
-                        ("adamw-bf16", "roundpipe.optim.AdamW(state_dtype=bf16)"),
-                        ("sgd", "roundpipe.optim.SGD(momentum)")):
-        work = _one_pass_work(n, weight, landed, kind)
-        for _ in range(2):  # compile, warm
-            work["refill"]()
-            work["update"]()
-        paths[label] = work
+    bytes_per_param = {"torch AdamW (fused)": 28}
+    for kind, label, nbytes in (("adamw", "roundpipe.optim.AdamW", 28),
+                                ("adamw-bf16", "roundpipe.optim.AdamW(state_dtype=bf16)", 20),
+                                ("sgd", "roundpipe.optim.SGD(momentum)", 12)):
+        for kernel in kernels:
+            work = _one_pass_work(n, weight, landed, kind, kernel)
+            for _ in range(2):  # build, warm
+                work["refill"]()
+                work["update"]()
+            paths[f"{label}, {kernel}"] = work
+            bytes_per_param[f"{label}, {kernel}"] = nbytes
     gil = {label: gil_share(work["update"]) for label, work in paths.items()}
     times: dict[str, dict[str, list[float]]] = {k: {} for k in paths}
     for _ in range(repeats):
@@ -224,9 +230,6 @@ def host_step(n: int, repeats: int) -> None:
                 times[label].setdefault(phase, []).append(time.perf_counter() - t)
     bandwidth = triad_bandwidth()
     per_b = 1e9 / n
-    bytes_per_param = {"torch AdamW (fused)": 28, "roundpipe.optim.AdamW": 28,
-                       "roundpipe.optim.AdamW(state_dtype=bf16)": 20,
-                       "roundpipe.optim.SGD(momentum)": 12}
     rows = []
     old_total = None
     for label, phases in times.items():

@@ -20,6 +20,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -42,8 +43,8 @@ _MIN_PER_THREAD = 1 << 16
 
 _C_DTYPES = {torch.float32: "32", torch.bfloat16: "16"}
 _f, _i, _i64, _p = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-_ADAMW_ARGS = [_p, _p, _p, _p, _p, _i64, _f, _f, _i, _f, _f, _f, _f, _f, _f, _f, _i]
-_SGD_ARGS = [_p, _p, _p, _i64, _f, _f, _f, _f, _i, _i, _f, _f, _i]
+_ADAMW_ARGS = [_p, _p, _p, _p, _p, _i64, _f, _f, _i, _f, _f, _f, _f, _f, _f, _f]
+_SGD_ARGS = [_p, _p, _p, _i64, _f, _f, _f, _f, _i, _i, _f, _f]
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -94,8 +95,10 @@ def _build() -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     for g in _C_DTYPES.values():
+        getattr(lib, f"rp_sgd_plain_g{g}").argtypes = _SGD_ARGS
         for s in _C_DTYPES.values():
             getattr(lib, f"rp_adamw_g{g}_s{s}").argtypes = _ADAMW_ARGS
+            getattr(lib, f"rp_adamw_ams_g{g}_s{s}").argtypes = _ADAMW_ARGS
             getattr(lib, f"rp_sgd_g{g}_s{s}").argtypes = _SGD_ARGS
     return lib
 
@@ -153,6 +156,16 @@ def accepts(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tens
 def _suffix(work: Work) -> str:
     state = work.states[0].dtype if work.states else torch.float32
     return f"g{_C_DTYPES[work.grad.dtype]}_s{_C_DTYPES[state]}"
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as torch's kernels hold their float constants."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _factors(work: Work, maximize: bool) -> tuple[float, float]:
+    """The gradient's factors; maximize negates the first (exact, so -(g s0) s1)."""
+    return (-work.scale[0] if maximize else work.scale[0]), work.scale[1]
 
 
 def _ptr(t: torch.Tensor | None, start: int) -> int | None:
@@ -217,16 +230,19 @@ def adamw(lib: ctypes.CDLL, items: Sequence[Work], steps: Sequence[float], *, lr
           maximize: bool) -> None:
     """torch.optim.AdamW's update of every item, ``steps[i]`` its step count after
     this step."""
-    w1 = 1.0 - beta1
+    # torch.lerp from the nearer end: m + w (g - m) for w < 0.5, else g + (w - 1)(g - m)
+    w = _f32(1.0 - beta1)
+    from_grad = abs(w) >= 0.5
+    lerp_weight = _f32(w - 1.0) if from_grad else w
     calls: list[tuple[Call, int]] = []
     for work, step in zip(items, steps):
-        fn = getattr(lib, f"rp_adamw_{_suffix(work)}")
+        fn = getattr(lib, f"rp_adamw_{'ams_' if amsgrad else ''}{_suffix(work)}")
         bc1 = 1.0 - beta1 ** step
         bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
         m, v = work.states[0], work.states[1]
         vmax = work.states[2] if amsgrad else None
-        consts = (1.0 - lr * weight_decay, w1, int(abs(w1) >= 0.5), beta2, 1.0 - beta2,
-                  lr / bc1, bc2_sqrt, eps, work.scale[0], work.scale[1], int(maximize))
+        consts = (1.0 - lr * weight_decay, lerp_weight, int(from_grad), beta2, 1.0 - beta2,
+                  lr / bc1, bc2_sqrt, eps, *_factors(work, maximize))
 
         def call(start: int, stop: int, fn=fn, work=work, m=m, v=v, vmax=vmax,
                  consts=consts) -> None:
@@ -244,10 +260,11 @@ def sgd(lib: ctypes.CDLL, items: Sequence[Work], *, first: bool, lr: float,
     now)."""
     calls: list[tuple[Call, int]] = []
     for work in items:
-        fn = getattr(lib, f"rp_sgd_{_suffix(work)}")
         buf = work.states[0] if work.states else None
+        fn = getattr(lib, f"rp_sgd_{_suffix(work)}" if buf is not None else
+                     f"rp_sgd_plain_g{_C_DTYPES[work.grad.dtype]}")
         consts = (lr, weight_decay, momentum, 1.0 - dampening, int(nesterov), int(first),
-                  work.scale[0], work.scale[1], int(maximize))
+                  *_factors(work, maximize))
 
         def call(start: int, stop: int, fn=fn, work=work, buf=buf, consts=consts) -> None:
             fn(_ptr(work.param, start), _ptr(work.grad, start), _ptr(buf, start),

@@ -24,32 +24,38 @@ static inline float bf16_load(bf16 h) {
 static inline bf16 bf16_store(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
+    uint32_t nan = (u >> 16) | 0x40u;
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (bf16)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 
+/* Loop-invariant choices are selects or separate functions, never branches in the loop, so
+ * every variant vectorises whole.  maximize comes as a negated first gradient factor
+ * (negation is exact). */
+
 /* AdamW as torch.optim.AdamW computes it: decay the weight, lerp the first moment towards
- * the gradient, update the second, divide by its bias-corrected square root plus eps. */
-#define ADAMW(NAME, GT, GLOAD, ST, SLOAD, SSTORE)                                          \
+ * the gradient (from the nearer end, as torch.lerp: m + w (g - m) for w < 0.5, else
+ * g + (w - 1)(g - m)), update the second, divide by its bias-corrected square root plus
+ * eps; AMS keeps the running maximum of the second moment. */
+#define ADAMW(NAME, GT, GLOAD, ST, SLOAD, SSTORE, AMS)                                     \
     void NAME(float *restrict p, const GT *restrict g, ST *restrict m, ST *restrict v,      \
-              ST *restrict vmax, int64_t n, float decay, float w1, int lerp_from_grad,      \
-              float beta2, float one_minus_beta2, float step_size, float bc2_sqrt,          \
-              float eps, float scale0, float scale1, int maximize) {                        \
+              ST *restrict vmax, int64_t n, float decay, float lerp_weight,                 \
+              int lerp_from_grad, float beta2, float one_minus_beta2, float step_size,      \
+              float bc2_sqrt, float eps, float scale0, float scale1) {                      \
         for (int64_t i = 0; i < n; i++) {                                                   \
             float gi = GLOAD(g[i]) * scale0 * scale1;                                       \
-            if (maximize) gi = -gi;                                                         \
             float pi = p[i] * decay;                                                        \
             float mi = SLOAD(m[i]);                                                         \
-            mi = lerp_from_grad ? gi - (gi - mi) * (1.0f - w1) : mi + w1 * (gi - mi);       \
+            float base = lerp_from_grad ? gi : mi;                                          \
+            mi = base + lerp_weight * (gi - mi);                                            \
             float vi = SLOAD(v[i]) * beta2 + one_minus_beta2 * gi * gi;                     \
             m[i] = SSTORE(mi);                                                              \
             v[i] = SSTORE(vi);                                                              \
             float vd = vi;                                                                  \
-            if (vmax) {                                                                     \
+            if (AMS) {                                                                      \
                 float vm = SLOAD(vmax[i]);                                                  \
                 vd = vm > vi ? vm : vi;                                                     \
                 vmax[i] = SSTORE(vd);                                                       \
@@ -58,23 +64,28 @@ static inline float f32_store(float x) { return x; }
         }                                                                                   \
     }
 
-ADAMW(rp_adamw_g32_s32, float, f32_load, float, f32_load, f32_store)
-ADAMW(rp_adamw_g16_s32, bf16, bf16_load, float, f32_load, f32_store)
-ADAMW(rp_adamw_g32_s16, float, f32_load, bf16, bf16_load, bf16_store)
-ADAMW(rp_adamw_g16_s16, bf16, bf16_load, bf16, bf16_load, bf16_store)
+ADAMW(rp_adamw_g32_s32, float, f32_load, float, f32_load, f32_store, 0)
+ADAMW(rp_adamw_g16_s32, bf16, bf16_load, float, f32_load, f32_store, 0)
+ADAMW(rp_adamw_g32_s16, float, f32_load, bf16, bf16_load, bf16_store, 0)
+ADAMW(rp_adamw_g16_s16, bf16, bf16_load, bf16, bf16_load, bf16_store, 0)
+ADAMW(rp_adamw_ams_g32_s32, float, f32_load, float, f32_load, f32_store, 1)
+ADAMW(rp_adamw_ams_g16_s32, bf16, bf16_load, float, f32_load, f32_store, 1)
+ADAMW(rp_adamw_ams_g32_s16, float, f32_load, bf16, bf16_load, bf16_store, 1)
+ADAMW(rp_adamw_ams_g16_s16, bf16, bf16_load, bf16, bf16_load, bf16_store, 1)
 
-/* SGD as torch.optim.SGD computes it; buf is NULL without momentum, and on the first step
- * the buffer starts as the (decayed) gradient. */
-#define SGD(NAME, GT, GLOAD, ST, SLOAD, SSTORE)                                            \
+/* SGD as torch.optim.SGD computes it; with MOMENTUM the buffer starts as the (decayed)
+ * gradient on the first step.  A zero weight decay adds nothing (as torch skips it). */
+#define SGD(NAME, GT, GLOAD, ST, SLOAD, SSTORE, MOMENTUM)                                  \
     void NAME(float *restrict p, const GT *restrict g, ST *restrict buf, int64_t n,         \
               float lr, float weight_decay, float momentum, float one_minus_dampening,      \
-              int nesterov, int first, float scale0, float scale1, int maximize) {          \
+              int nesterov, int first, float scale0, float scale1) {                        \
         for (int64_t i = 0; i < n; i++) {                                                   \
             float d = GLOAD(g[i]) * scale0 * scale1;                                        \
-            if (maximize) d = -d;                                                           \
-            if (weight_decay != 0.0f) d = d + weight_decay * p[i];                          \
-            if (buf) {                                                                      \
-                float b = first ? d : SLOAD(buf[i]) * momentum + one_minus_dampening * d;   \
+            float decayed = d + weight_decay * p[i];                                        \
+            d = weight_decay != 0.0f ? decayed : d;                                         \
+            if (MOMENTUM) {                                                                 \
+                float b = SLOAD(buf[i]) * momentum + one_minus_dampening * d;               \
+                b = first ? d : b;                                                          \
                 buf[i] = SSTORE(b);                                                         \
                 d = nesterov ? d + momentum * b : b;                                        \
             }                                                                               \
@@ -82,7 +93,9 @@ ADAMW(rp_adamw_g16_s16, bf16, bf16_load, bf16, bf16_load, bf16_store)
         }                                                                                   \
     }
 
-SGD(rp_sgd_g32_s32, float, f32_load, float, f32_load, f32_store)
-SGD(rp_sgd_g16_s32, bf16, bf16_load, float, f32_load, f32_store)
-SGD(rp_sgd_g32_s16, float, f32_load, bf16, bf16_load, bf16_store)
-SGD(rp_sgd_g16_s16, bf16, bf16_load, bf16, bf16_load, bf16_store)
+SGD(rp_sgd_g32_s32, float, f32_load, float, f32_load, f32_store, 1)
+SGD(rp_sgd_g16_s32, bf16, bf16_load, float, f32_load, f32_store, 1)
+SGD(rp_sgd_g32_s16, float, f32_load, bf16, bf16_load, bf16_store, 1)
+SGD(rp_sgd_g16_s16, bf16, bf16_load, bf16, bf16_load, bf16_store, 1)
+SGD(rp_sgd_plain_g32, float, f32_load, float, f32_load, f32_store, 0)
+SGD(rp_sgd_plain_g16, bf16, bf16_load, float, f32_load, f32_store, 0)
