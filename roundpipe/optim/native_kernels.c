@@ -5,7 +5,11 @@
  * so every operand is read once and every result written once.  Plain C, no OpenMP: the
  * caller splits the work over threads (ctypes releases the GIL for the call).  Built with
  * -ffp-contract=off and without -ffast-math, so the vector loop and its scalar remainder
- * round alike and a result does not depend on where the ranges are cut.
+ * round alike and a result does not depend on where the ranges are cut.  The multiply-adds
+ * torch's vectorised kernels fuse (lerp, addcmul, add with alpha) are explicit fmaf() calls
+ * here, rounded once in the vector loop and the remainder alike: a moment that nearly
+ * cancels then rounds as torch's does (SGD bit for bit; AdamW differs only where torch's
+ * MKL sqrt is not correctly rounded).
  */
 #include <math.h>
 #include <stdint.h>
@@ -50,8 +54,8 @@ static inline float f32_store(float x) { return x; }
             float pi = p[i] * decay;                                                        \
             float mi = SLOAD(m[i]);                                                         \
             float base = lerp_from_grad ? gi : mi;                                          \
-            mi = base + lerp_weight * (gi - mi);                                            \
-            float vi = SLOAD(v[i]) * beta2 + one_minus_beta2 * gi * gi;                     \
+            mi = fmaf(lerp_weight, gi - mi, base);                                          \
+            float vi = fmaf(one_minus_beta2 * gi, gi, SLOAD(v[i]) * beta2);                 \
             m[i] = SSTORE(mi);                                                              \
             v[i] = SSTORE(vi);                                                              \
             float vd = vi;                                                                  \
@@ -81,15 +85,15 @@ ADAMW(rp_adamw_ams_g16_s16, bf16, bf16_load, bf16, bf16_load, bf16_store, 1)
               int nesterov, int first, float scale0, float scale1) {                        \
         for (int64_t i = 0; i < n; i++) {                                                   \
             float d = GLOAD(g[i]) * scale0 * scale1;                                        \
-            float decayed = d + weight_decay * p[i];                                        \
+            float decayed = fmaf(p[i], weight_decay, d);                                    \
             d = weight_decay != 0.0f ? decayed : d;                                         \
             if (MOMENTUM) {                                                                 \
-                float b = SLOAD(buf[i]) * momentum + one_minus_dampening * d;               \
+                float b = fmaf(d, one_minus_dampening, SLOAD(buf[i]) * momentum);           \
                 b = first ? d : b;                                                          \
                 buf[i] = SSTORE(b);                                                         \
-                d = nesterov ? d + momentum * b : b;                                        \
+                d = nesterov ? fmaf(b, momentum, d) : b;                                    \
             }                                                                               \
-            p[i] = p[i] - lr * d;                                                           \
+            p[i] = fmaf(d, -lr, p[i]);                                                      \
         }                                                                                   \
     }
 
