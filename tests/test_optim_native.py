@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import pickle
+import threading
 
 import pytest
 import torch
@@ -247,3 +248,40 @@ def test_nearly_cancelling_updates_round_as_torchs(name, kwargs, second):
         assert _rel(p, r) <= 1e-6
         for key, mine in zip(keys, s):
             assert _rel(mine, ref_opt.state[r][key]) <= 1e-6, key
+
+
+def test_a_pool_grown_by_another_step_still_runs_this_ones_shares(monkeypatch):
+    """Two optimizers stepping at once from two threads: the second needs more threads and
+    replaces the pool just as the first has taken it.  The first step's shares must still
+    all run (not 'cannot schedule new futures after shutdown', with a half-written update
+    and workers still writing after the step raised)."""
+    class HookedLock:
+        def __init__(self):
+            self.inner, self.hook = threading.Lock(), None
+
+        def __enter__(self):
+            self.inner.acquire()
+
+        def __exit__(self, *exc):
+            self.inner.release()
+            hook, self.hook = self.hook, None
+            if hook is not None:
+                hook()
+
+    lock = HookedLock()
+    monkeypatch.setattr(native, "_lock", lock)
+    monkeypatch.setattr(native, "_pool", None)
+    monkeypatch.setattr(native, "_pool_size", 0)
+    monkeypatch.setattr(native, "_MIN_PER_THREAD", 1)
+    done, other = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        lock.hook = lambda: native._run([(lambda a, b: other.append((a, b)), 4)])
+        native._run([(lambda a, b: done.append((a, b)), 2)])
+    finally:
+        torch.set_num_threads(threads)
+        if native._pool is not None:
+            native._pool.shutdown(wait=True)
+    assert sorted(done) == [(0, 1), (1, 2)]
+    assert sorted(other) == [(0, 1), (1, 2), (2, 3), (3, 4)]

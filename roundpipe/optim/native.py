@@ -200,16 +200,19 @@ def _run(calls: list[tuple[Call, int]]) -> None:
     if threads == 1:
         run_share(shares[0])
         return
-    with _lock:
-        if _pool is None or _pool_size < threads - 1:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=threads - 1,
-                                       thread_name_prefix="roundpipe-optim-native")
-            _pool_size = threads - 1
-        pool = _pool
-    futures = [pool.submit(run_share, share) for share in shares[1:]]
+    futures = []
     try:
+        # Submitted under the lock: a concurrent step that grows the pool shuts the old one
+        # down only after these are queued (a shut-down pool still runs what it holds).
+        with _lock:
+            if _pool is None or _pool_size < threads - 1:
+                if _pool is not None:
+                    _pool.shutdown(wait=False)
+                _pool = ThreadPoolExecutor(max_workers=threads - 1,
+                                           thread_name_prefix="roundpipe-optim-native")
+                _pool_size = threads - 1
+            for share in shares[1:]:
+                futures.append(_pool.submit(run_share, share))
         run_share(shares[0])
     finally:
         # Even when interrupted: no thread may still be writing after the step returns.
