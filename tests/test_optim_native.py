@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import pickle
+import shutil
 import threading
 
 import pytest
@@ -285,3 +287,61 @@ def test_a_pool_grown_by_another_step_still_runs_this_ones_shares(monkeypatch):
             native._pool.shutdown(wait=True)
     assert sorted(done) == [(0, 1), (1, 2)]
     assert sorted(other) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_an_interrupted_build_is_tried_again(monkeypatch):
+    """Ctrl-C during the first build (seconds, at the first optimizer's construction) is
+    not 'cannot be built': the next optimizer builds it, rather than falling back to the
+    slow kernels for good with no reason given."""
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_failure", "")
+    real = native._build
+
+    def interrupted():
+        monkeypatch.setattr(native, "_build", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(native, "_build", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        native.library()
+    if shutil.which("cc") or shutil.which("gcc") or os.environ.get("CC"):
+        assert native.library() is not None, native.unavailable_reason()
+    else:
+        assert native.library() is None and native.unavailable_reason()
+
+
+def _compiler():
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc or native.library() is None:
+        pytest.skip(f"no C compiler: {native.unavailable_reason()}")
+    return cc
+
+
+def test_cc_may_carry_arguments(monkeypatch, tmp_path):
+    """CC='ccache gcc' (a command and its arguments, as make reads CC) builds."""
+    monkeypatch.setenv("CC", f"env {_compiler()}")
+    monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path))
+    assert native._build() is not None
+
+
+def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path):
+    """A truncated library in the cache (a full disk, a copied home directory) is built
+    again, not a reason to fall back for good."""
+    monkeypatch.setenv("CC", _compiler())
+    monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path / "first"))
+    native._build()
+    name = next((tmp_path / "first").iterdir()).name
+    (tmp_path / "second").mkdir()
+    (tmp_path / "second" / name).write_bytes(b"\x7fELF truncated")
+    monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path / "second"))
+    lib = native._build()
+    assert lib is not None and (tmp_path / "second" / name).stat().st_size > 1000
+
+
+def test_an_unwritable_cache_directory_builds_elsewhere(monkeypatch, tmp_path):
+    """A read-only home (no ~/.cache) still gets the native kernels, built privately."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CC", _compiler())
+    monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    assert native._build() is not None

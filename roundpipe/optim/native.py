@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import struct
 import subprocess
@@ -71,28 +72,22 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor() + flags
 
 
-def _build() -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or \
-        shutil.which("clang")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler] + _FLAGS).encode()
-                         + _cpu_signature().encode()).hexdigest()[:20]
-    target = _cache_dir() / f"optim-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
-                                  capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-            os.replace(tmp, target)  # whole or absent, if two processes build at once
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+def _compile(command: list[str], target: Path) -> None:
+    """Compile into ``target``, which is whole or absent, if two processes build at once."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([*command, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load(target: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     for g in _C_DTYPES.values():
         getattr(lib, f"rp_sgd_plain_g{g}").argtypes = _SGD_ARGS
@@ -103,12 +98,47 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
+def _build() -> ctypes.CDLL:
+    # CC is a command line, as make reads it ("ccache gcc", "gcc -m64").
+    command = shlex.split(os.environ.get("CC", "")) or [
+        c for c in [shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")] if c]
+    if not command:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(command + _FLAGS).encode()
+                         + _cpu_signature().encode()).hexdigest()[:20]
+    name = f"optim-{key}.so"
+    target = _cache_dir() / name
+    if not target.exists():
+        target = _writable(target)
+        _compile(command, target)
+    try:
+        return _load(target)
+    except (OSError, AttributeError):
+        # A truncated or foreign file under our name: build it again, once.
+        target = _writable(target)
+        _compile(command, target)
+        return _load(target)
+
+
+def _writable(target: Path) -> Path:
+    """``target``, or the same name in a private directory where the cache cannot be
+    written (a read-only home)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if os.access(target.parent, os.W_OK):
+            return target
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="roundpipe-optim-")) / target.name
+
+
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be built."""
     global _library, _tried, _failure
     with _lock:
         if not _tried:
-            _tried = True
+            # _tried is set only once an attempt has ended (not if interrupted).
             if os.environ.get("ROUNDPIPE_NATIVE_OPTIM", "1") == "0":
                 _failure = "ROUNDPIPE_NATIVE_OPTIM=0"
             else:
@@ -119,6 +149,7 @@ def library() -> ctypes.CDLL | None:
                     log.warning("roundpipe.optim: native kernels unavailable (%s); using "
                                 "torch's fused kernels, which convert bf16 gradients "
                                 "through a scratch buffer (slower)", _failure)
+            _tried = True
         return _library
 
 
