@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime
 import logging
 import os
 import re
@@ -158,10 +157,7 @@ def checkpoint_group(pipe: RoundPipe) -> Any:
         return None
     group = _groups.get(dp)
     if group is None:
-        import torch.distributed as dist
-        group = dist.new_group(ranks=dist.get_process_group_ranks(dp.group), backend="gloo",
-                               timeout=datetime.timedelta(seconds=dp.config.timeout_s))
-        _groups[dp] = group
+        group = _groups[dp] = dp.new_gloo_group()
     return group
 
 

@@ -245,6 +245,28 @@ class Injected(RuntimeError):
     pass
 
 
+def subgroup_save(rank: int, world: int, path: str) -> dict[str, Any]:
+    """A data-parallel group of rank 0 alone, a subgroup of the world: its sharded save
+    (and ZeRO's optimizer group) are made by rank 0 only, while rank 1 waits at a barrier.
+    They were made with a barrier over the whole world, which waited for rank 1 until the
+    group's timeout."""
+    import torch.distributed as dist
+    sub = dist.new_group(ranks=[0], backend="gloo")  # every rank makes it: torch's rule
+    out: dict[str, Any] = {}
+    if rank == 0:
+        pipe = RoundPipe(build_model(), devices=["cpu"] * 2, seed=SEED,
+                         model_run_config=RoundPipeRunConfig(num_microbatch=2),
+                         data_parallel=DataParallelConfig(group=sub, timeout_s=20))
+        opt = rd.zero_optimizer(pipe, torch.optim.AdamW, lr=1e-2, eps=1e-3)
+        train(pipe, opt, [0, 1], 0, 1, models.lm_loss)
+        t0 = time.perf_counter()
+        roundpipe.save_checkpoint(path, pipe, opt, extra={"step": 2}, sharded=True)
+        out = {"elapsed": time.perf_counter() - t0, "path": path, "state": state(pipe)}
+        pipe.close()
+    dist.barrier()
+    return out
+
+
 def failed_save(rank: int, world: int, path: str) -> dict[str, Any]:
     """Rank 0 cannot write roundpipe.pt (a full disk) during a sharded save: every replica
     raises at once (not after the group's timeout), and a second save succeeds."""
@@ -364,7 +386,8 @@ def dead_replica(rank: int, world: int, save: Callable[[dict[str, Any]], None]
 GROUPS: dict[str, list[str]] = {
     "equivalence": ["sgd_sum", "adamw_mean", "adamw_async", "zero_checkpoint",
                     "sharded_checkpoint", "autograd_backward", "batchnorm_buffers"],
-    "failures": ["replica_failure", "failed_save", "hung_replica", "dead_replica"],
+    "failures": ["replica_failure", "failed_save", "subgroup_save", "hung_replica",
+                 "dead_replica"],
 }
 
 
@@ -381,7 +404,8 @@ def main() -> None:
                     results[name] = out
                     torch.save(results, out_path)
                 results[name] = fn(rank, world, save)
-            elif name in ("zero_checkpoint", "sharded_checkpoint", "failed_save"):
+            elif name in ("zero_checkpoint", "sharded_checkpoint", "failed_save",
+                          "subgroup_save"):
                 # the replicas' outputs share a directory: so does the checkpoint
                 results[name] = fn(rank, world, os.path.join(os.path.dirname(out_path),
                                                              f"{name}.ckpt"))

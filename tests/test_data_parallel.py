@@ -214,6 +214,22 @@ def test_a_sharded_save_failing_on_rank_0_raises_on_every_replica_at_once(launch
     assert [f for f in r0["files"] if "failed_save.ckpt" in f] == ["failed_save.ckpt"]
 
 
+def test_a_data_parallel_subgroup_saves_without_the_other_processes(launches):
+    """The data-parallel group is rank 0 alone in a world of 2: ZeRO's optimizer group and
+    the sharded save's group are made among its members (before: a barrier over the world
+    that waited for rank 1 until the timeout), and the checkpoint loads in one process."""
+    r0, r1 = launches["failures"].scenario("subgroup_save")
+    assert r0["elapsed"] < 15, r0["elapsed"]  # the group's timeout is 20 s
+    assert "state" not in r1
+    pipe = RoundPipe(dp_worker.build_model(), devices=["cpu"] * 2, seed=0,
+                     data_parallel=False,
+                     model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=2))
+    opt = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2, eps=1e-3)
+    assert roundpipe.load_checkpoint(r0["path"], pipe, opt) == {"step": 2}
+    _assert_states_equal(dp_worker.state(pipe), r0["state"], exact=True)
+    pipe.close()
+
+
 def test_a_replica_that_stops_answering_gives_a_clear_error_within_the_timeout(launches):
     r0 = launches["failures"].scenario("hung_replica")[0]
     timeout = r0["timeout"]

@@ -411,11 +411,19 @@ class DataParallel:
         reduction, and two threads must not issue collectives on one group.  Collective:
         every rank must call it at the same point."""
         if self._optimizer_group is None:
-            ranks = dist.get_process_group_ranks(self.group)
-            self._optimizer_group = dist.new_group(
-                ranks=ranks, backend="gloo",
-                timeout=datetime.timedelta(seconds=self.config.timeout_s))
+            self._optimizer_group = self.new_gloo_group()
         return self._optimizer_group
+
+    def new_gloo_group(self) -> Any:
+        """A new gloo group over this group's ranks.  Only they call it: when the
+        data-parallel group is a subgroup of the world, the other processes never get here,
+        so their barrier (torch's default for ``new_group``) would wait for them until the
+        timeout; the group is then made with a barrier among its members."""
+        ranks = dist.get_process_group_ranks(self.group)
+        local = len(ranks) < dist.get_world_size() and dist.get_backend() != "mpi"
+        return dist.new_group(ranks=ranks, backend="gloo",
+                              timeout=datetime.timedelta(seconds=self.config.timeout_s),
+                              use_local_synchronization=local)
 
     # --- calls ---------------------------------------------------------------------------
     def begin(self) -> _DataParallelCall:
