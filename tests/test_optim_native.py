@@ -9,6 +9,8 @@ import logging
 import os
 import pickle
 import shutil
+import signal
+import time
 import threading
 
 import pytest
@@ -345,3 +347,34 @@ def test_an_unwritable_cache_directory_builds_elsewhere(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", _compiler())
     monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
     assert native._build() is not None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_steps(monkeypatch):
+    """A process forked after a step (multiprocessing's default start on Linux) has none of
+    the pool's threads: its step must not wait forever for them."""
+    monkeypatch.setattr(native, "_MIN_PER_THREAD", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native._run([(lambda a, b: None, 4)])
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 once the step returns
+            try:
+                done = []
+                native._run([(lambda a, b: done.append(b - a), 4)])
+                os._exit(0 if sum(done) == 4 else 1)
+            finally:
+                os._exit(2)
+        for _ in range(200):
+            waited, status = os.waitpid(pid, os.WNOHANG)
+            if waited:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's step did not return in 20 s")
+    finally:
+        torch.set_num_threads(threads)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

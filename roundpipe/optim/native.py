@@ -55,6 +55,17 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of the pool's threads (work queued to it would never run)
+    and may hold a copy of the lock taken by a thread that is not there."""
+    global _lock, _pool, _pool_size
+    _lock, _pool, _pool_size = threading.Lock(), None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("ROUNDPIPE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "roundpipe")
