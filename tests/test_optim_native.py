@@ -378,3 +378,36 @@ def test_a_forked_child_steps(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+@needs_lib
+def test_a_nan_in_the_running_maximum_stays_as_torchs_maximum_keeps_it():
+    """AMSGrad: a NaN already in max_exp_avg_sq propagates (torch.maximum), whichever
+    side of the comparison it is on."""
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(40))]
+    ref = [nn.Parameter(ours[0].detach().clone())]
+    opt = roundpipe.optim.AdamW(ours, lr=1e-2, amsgrad=True, state_dtype=torch.bfloat16)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, amsgrad=True, foreach=False)
+    for step in range(2):
+        g = torch.randn(40).to(torch.bfloat16).float()
+        ours[0].grad, ref[0].grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        if step == 0:
+            for o in (opt, ref_opt):
+                state = next(iter(o.state.values()))
+                state["max_exp_avg_sq"][3] = float("nan")
+                state["exp_avg_sq"][7] = float("nan")
+    assert torch.isnan(ours[0][3]) and torch.isnan(ref[0][3])
+    assert torch.equal(torch.isnan(ours[0]), torch.isnan(ref[0]))
+
+
+def test_capturable_is_refused_before_anything_is_written():
+    p = nn.Parameter(torch.randn(5))
+    opt = roundpipe.optim.AdamW([p], lr=1e-2, capturable=True, state_dtype=torch.bfloat16)
+    p.grad = torch.randn(5)
+    before = p.detach().clone()
+    with pytest.raises(OptimizerError, match="capturable"):
+        opt.step()
+    assert torch.equal(p, before) and not opt.state

@@ -61,7 +61,7 @@ static inline float f32_store(float x) { return x; }
             float vd = vi;                                                                  \
             if (AMS) {                                                                      \
                 float vm = SLOAD(vmax[i]);                                                  \
-                vd = vm > vi ? vm : vi;                                                     \
+                vd = (vm > vi || vm != vm) ? vm : vi; /* NaN wins, as torch.maximum */     \
                 vmax[i] = SSTORE(vd);                                                       \
             }                                                                               \
             p[i] = pi - step_size * mi / (sqrtf(vd) / bc2_sqrt + eps);                      \

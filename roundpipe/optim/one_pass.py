@@ -201,9 +201,10 @@ class OnePass:
         lr = float(group["lr"])
         if not math.isfinite(lr) or lr < 0:
             raise OptimizerError(f"lr must be a finite number >= 0, got {group['lr']!r}")
-        if group.get("differentiable"):
-            raise OptimizerError("differentiable=True is not supported by roundpipe.optim's "
-                                 "fused kernels; use torch.optim for it")
+        if group.get("differentiable") or group.get("capturable"):
+            raise OptimizerError("differentiable=True and capturable=True are not supported "
+                                 "by roundpipe.optim's kernels (host tensors updated outside "
+                                 "autograd and CUDA graphs); use torch.optim for them")
 
     def _moment(self, p: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(p, dtype=self.state_dtype or p.dtype,
