@@ -232,21 +232,29 @@ def host_step(n: int, repeats: int, kernels: tuple[str, ...] = ("native", "fused
     per_b = 1e9 / n
     rows = []
     old_total = None
+    torch_phases = times["torch AdamW (fused)"]
+    torch_totals = [sum(p[i] for p in torch_phases.values()) for i in range(repeats)]
     for label, phases in times.items():
         med = {k: statistics.median(v) * per_b for k, v in phases.items()}
         total = sum(med.values())
         if old_total is None:
             old_total = total
         roofline = bytes_per_param[label] * 1e9 / bandwidth
+        # the same ratio round by round (each round runs every path once, in turn), so a
+        # slow spell of the VM shows as spread rather than skewing one path's median
+        totals = [sum(p[i] for p in phases.values()) for i in range(repeats)]
+        ratios = sorted(o / t for o, t in zip(torch_totals, totals))
         rows.append([label, f"{med.get('landing', 0.0):.2f}", f"{med['update']:.2f}",
                      f"{med['publish']:.2f}", f"{total:.2f}", f"{roofline:.2f}",
                      f"{roofline / total:.2f}", f"{old_total / total:.2f}",
+                     f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})",
                      f"{gil[label]:.2f}"])
     print(f"host step, bf16 model with fp32 masters, {n / 1e6:.1f} M parameters, triad "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s with {torch.get_num_threads()} threads, "
           f"median of {repeats}, seconds per billion parameters")
     print(tabulate(rows, headers=["path", "landing", "update", "publish", "total",
                                   "roofline", "roofline / total", "speed-up vs torch",
+                                  "per round: median (range)",
                                   "other thread's Python during update"]))
 
 
