@@ -14,7 +14,9 @@ in this process (the optimizers alternate, so the host's drift falls on both) an
   (``--peak``): 6 x parameters + attention per token, and with stage recompute 8 x.
 
 ``torch`` = ``torch.optim.AdamW(fused=True)`` on fp32 ``.grad``; ``rp`` =
-``roundpipe.optim.AdamW``; ``rp-bf16`` = the same with ``state_dtype=torch.bfloat16``.
+``roundpipe.optim.AdamW`` (its native loop); ``rp-fused`` = the same with
+``kernel="fused"`` (torch's kernels through scratch); ``rp-bf16`` = ``rp`` with
+``state_dtype=torch.bfloat16``.
 Results go to ``--out`` as JSON, one file per shape.
 """
 
@@ -59,9 +61,11 @@ def make_optimizer(kind: str, params):
         return torch.optim.AdamW(params, lr=1e-5, fused=True)
     if kind == "rp":
         return roundpipe.optim.AdamW(params, lr=1e-5)
+    if kind == "rp-fused":
+        return roundpipe.optim.AdamW(params, lr=1e-5, kernel="fused")
     if kind == "rp-bf16":
         return roundpipe.optim.AdamW(params, lr=1e-5, state_dtype=torch.bfloat16)
-    raise SystemExit(f"unknown optimizer {kind!r}; choose torch, rp or rp-bf16")
+    raise SystemExit(f"unknown optimizer {kind!r}; choose torch, rp, rp-fused or rp-bf16")
 
 
 def run_one(kind: str, shape: tuple[int, int, int, int], args, peak_tflops: float | None
@@ -81,6 +85,7 @@ def run_one(kind: str, shape: tuple[int, int, int, int], args, peak_tflops: floa
     x = torch.randint(0, vocab, (args.batch, args.seq))
     y = torch.randint(0, vocab, (args.batch, args.seq))
     pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32,
+                             landing_buffers=args.landing_buffers,
                              model_run_config=RoundPipeRunConfig(num_microbatch=args.mb))
     opt = make_optimizer(kind, pipe.optim_parameters())
     build_s = time.perf_counter() - t0
@@ -156,6 +161,9 @@ def main() -> int:
     parser.add_argument("--mb", type=int, default=2)
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument("--peak", action="store_true", help="measure the bf16 matmul rate")
+    parser.add_argument("--landing-buffers", default="auto",
+                        type=lambda v: v if v == "auto" else int(v),
+                        help="1: one set of gradient landing buffers (7B AdamW in 128 GiB)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
