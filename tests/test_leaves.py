@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import models
 import reference
 from roundpipe import RoundPipe, RoundPipeRunConfig
-from roundpipe.errors import ConfigError, TraceError
+from roundpipe.errors import ConfigError, ModelError, TraceError
 from roundpipe.passes.trace import trace
 
 
@@ -504,3 +504,50 @@ def test_leaf_modules_run_concurrently_never_touch_the_model():
                                            msg=f"call {call}: {name}")
             for name, b in eager.named_buffers():  # BatchNorm's running stats, committed
                 torch.testing.assert_close(buffers[name], b, rtol=1e-10, atol=1e-12)
+
+
+class _PlainBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class _HookedNet(_KwargsNet):
+    def __init__(self) -> None:
+        super().__init__(_PlainBlock)
+        # Scales the gradient leaving blocks.1 towards blocks.0 (and the input).
+        self.blocks[1].register_full_backward_hook(lambda m, gin, gout: (gin[0] * 5,))
+        self.blocks[2].register_full_backward_pre_hook(lambda m, gout: (gout[0] * -2,))
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_module_backward_hooks_act_on_the_gradients_as_in_eager(devices: int) -> None:
+    """The exported graph has no module backward hooks: they were dropped silently, and
+    blocks.0 got a gradient 5 times too small.  Modules with such hooks are kept opaque,
+    so their own call runs and the hooks fire."""
+    torch.manual_seed(0)
+    model = _HookedNet().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    label = torch.randn(6, 2, dtype=torch.float64)
+    pipe = RoundPipe(model, devices=["cpu"] * devices,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    loss = pipe.forward_backward(input_args=(x,), label=label, loss_fn=reference.mse_first)
+    ref = reference.eager_forward_backward(eager, (x,), {}, label, reference.mse_first, 3)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    for (name, p), q in zip(pipe.optim_named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=name)
+    assert pipe.plan.program.trace_method == "export-leaves"
+    pipe.close()
+
+
+def test_a_module_backward_hook_on_the_model_itself_is_refused() -> None:
+    model = _KwargsNet(_PlainBlock)
+    model.register_full_backward_hook(lambda m, gin, gout: None)
+    pipe = RoundPipe(model, devices=["cpu"])
+    with pytest.raises(ModelError, match="itself has a module backward hook"):
+        pipe.compile((torch.randn(4, 8),), {})
+    pipe.close()

@@ -154,7 +154,8 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
             "roundpipe streams weights to devices, use the model directly instead"
         )
     attempts: list[tuple[str, BaseException]] = []
-    user_leaves = resolve_leaf_modules(model, opaque_modules)
+    user_leaves = resolve_leaf_modules(
+        model, tuple(opaque_modules) + _backward_hooked_modules(model))
     tries: list[tuple[str, Callable[[], TracedGraph]]] = []
     if user_leaves:
         tries.append((f"{LEAVES_METHOD} ({_describe_leaves(model, user_leaves)} opaque)",
@@ -195,6 +196,26 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
     message = _trace_failure_message(model, attempts, failing_module(model, export_error),
                                      leaves)
     raise TraceError(message) from attempts[-1][1]
+
+
+def _backward_hooked_modules(model: torch.nn.Module) -> tuple[str, ...]:
+    """Submodules with module backward hooks (``register_full_backward_hook``,
+    ``register_full_backward_pre_hook``, ``register_backward_hook``).  The exported graph
+    drops them silently, so they are kept opaque: a leaf runs as the module's own call, and
+    its hooks act on the gradients as in eager.  Hooks on the model itself or global ones
+    cannot be kept so: refused."""
+    from torch.nn.modules import module as nn_module
+    glob = [name for name in ("_global_backward_hooks", "_global_backward_pre_hooks")
+            if getattr(nn_module, name, None)]
+    if glob or model._backward_hooks or model._backward_pre_hooks:
+        where = ("global module backward hooks are registered" if glob else
+                 f"{type(model).__name__} itself has a module backward hook")
+        raise ModelError(
+            f"{where}: roundpipe cannot run them as eager does (the traced graph would "
+            "drop them); register them on a submodule (kept opaque, so its hooks run) or "
+            "use tensor hooks (Tensor.register_hook) instead")
+    return tuple(name for name, m in model.named_modules()
+                 if name and (m._backward_hooks or m._backward_pre_hooks))
 
 
 # Rounds of automatic leaf modules (each one a real run and an export).
