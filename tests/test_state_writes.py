@@ -471,3 +471,43 @@ def test_writes_of_opaque_modules_in_eval_mode_are_committed(devices: int, caplo
             for _ in range(2):
                 pipe(x)
     assert [int(b.calls) for b in model.blocks] == [2 * NUM_MB] * 3
+
+
+class RebindingBlock(nn.Module):
+    """Updates its running mean by assigning a new tensor to the buffer, not in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("running", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.running = self.running * 0.9 + 0.1 * x.mean(0)
+        return torch.tanh(self.lin(x)) + self.running
+
+
+class RebindingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([RebindingBlock() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_a_buffer_rebound_in_forward_is_refused_not_dropped(leaf: bool) -> None:
+    """``self.buf = new`` is no write torch.export records (nor an opaque module's call):
+    training went on with the buffer never updated.  Now the trace refuses it."""
+    from roundpipe.errors import ModelError
+    model = RebindingNet()
+    pipe = RoundPipe(model, devices=["cpu"] * 2, leaf_modules=["blocks.1"] if leaf else None,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB))
+    with pytest.raises(ModelError, match=r"buffer\(s\) blocks\.\d\.running.*in place"):
+        pipe.forward_backward(input_args=(torch.randn(4, 8),), label=torch.randn(4, 8),
+                              loss_fn=F.mse_loss)
+    assert all(not b.any() for b in model.buffers())
+    pipe.close()

@@ -135,12 +135,52 @@ def trace(
     # One trace at a time: export, and the block sharing inside it, patch nn.Module
     # process-wide while they run.
     with _TRACE_LOCK:
-        return _trace(model, example_args, example_kwargs, leaf_modules=leaf_modules,
-                      opaque_modules=opaque_modules, dynamic=dynamic,
-                      share_blocks=share_blocks)
+        with _watch_buffer_reassignment(model) as reassigned:
+            traced = _trace(model, example_args, example_kwargs, leaf_modules=leaf_modules,
+                            opaque_modules=opaque_modules, dynamic=dynamic,
+                            share_blocks=share_blocks)
+        if reassigned:
+            where = ", ".join(sorted(reassigned))
+            raise ModelError(
+                f"{type(model).__name__}'s forward assigns a new tensor to buffer(s) {where} "
+                "(self.buf = ...): the traced program cannot carry that write, so it would be "
+                "lost silently; write the buffer in place instead, under torch.no_grad() "
+                "where it needs no gradient (self.buf.copy_(new), self.buf.mul_(m).add_(x))")
+        return traced
 
 
 _TRACE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _watch_buffer_reassignment(model: torch.nn.Module) -> Iterator[set[str]]:
+    """Names (``path.buffer``) of registered buffers of ``model`` that the model's own code
+    rebinds to another tensor (``self.ema = self.ema * 0.9 + x``) while tracing.  Neither
+    export nor the fx fallback records such a write (only in-place ones), nor does an
+    opaque module's call.  Only the tracing thread's assignments made outside torch's own
+    code count (export swaps state in and out with setattr)."""
+    paths = {id(m): p for p, m in model.named_modules()}
+    found: set[str] = set()
+    thread = threading.get_ident()
+    original = torch.nn.Module.__setattr__
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+
+    def setattr_(self: torch.nn.Module, name: str, value: Any) -> None:
+        buffers = self.__dict__.get("_buffers")
+        if (buffers is not None and name in buffers and buffers[name] is not None
+                and value is not buffers[name]
+                and isinstance(value, (torch.Tensor, torch.fx.Proxy))
+                and id(self) in paths and threading.get_ident() == thread
+                and not sys._getframe(1).f_code.co_filename.startswith(torch_dir)):
+            path = paths[id(self)]
+            found.add(f"{path}.{name}" if path else name)
+        original(self, name, value)
+
+    torch.nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
+    try:
+        yield found
+    finally:
+        torch.nn.Module.__setattr__ = original  # type: ignore[method-assign]
 
 
 def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
