@@ -16,7 +16,7 @@ from .passes.cost import CostReport, DeviceModel, estimate_costs
 from .passes.layers import (LayerAssignment, ModuleTree, assign_layers, find_unit_roots,
                             module_tree, parallel_containers)
 from .passes.leaves import resolve_leaf_modules
-from .passes.memory import MemoryModel
+from .passes.memory import MemoryModel, ReplayFailed
 from .passes.output_merge import default_split, plan_output_merge
 from .passes.partition import (PipelineCuts, max_pipeline_stages, partition_pipeline,
                                simulate_round_robin)
@@ -210,6 +210,23 @@ def make_plan(
     Separate from :func:`compile_model` so a plan can be recomputed from measured times
     without tracing again.
     """
+    try:
+        return _make_plan(program, units, report, options, notes=notes)
+    except ReplayFailed as e:
+        log.info("roundpipe: %s; stage memory is estimated from summed unit costs", e)
+        return _make_plan(program, units, dataclasses.replace(report, memory=None), options,
+                          notes=tuple(notes) + (
+                              "stage memory from summed unit costs: " + str(e),))
+
+
+def _make_plan(
+    program: ModelProgram,
+    units: Sequence[LayerUnit],
+    report: CostReport,
+    options: PlanOptions,
+    *,
+    notes: Sequence[str] = (),
+) -> StagePlan:
     num_devices, num_microbatch = options.num_devices, options.num_microbatch
     memory_cap, recompute_grain = options.memory_cap, options.recompute_grain
     costs = report.units

@@ -79,8 +79,13 @@ class MemoryModel:
         key = (kind, units, num_microbatch > 1, num_devices == 1, grain)
         cached = self._cache.get(key)
         if cached is None:
-            cached = self._cache[key] = self._stage_bytes(kind, units, num_microbatch,
-                                                          num_devices, grain)
+            try:
+                cached = self._cache[key] = self._stage_bytes(kind, units, num_microbatch,
+                                                              num_devices, grain)
+            except Exception as e:  # noqa: BLE001 - the estimate must not stop a plan
+                raise ReplayFailed(f"the {kind} job of units {units[0]}-{units[1] - 1} "
+                                   f"does not replay on fake tensors ({type(e).__name__}: "
+                                   f"{e})") from e
         if kind == "fwd" and num_devices == 1 and num_microbatch > 1:
             # outputs handed to the next job, kept for the earlier microbatches
             cached += (num_microbatch - 1) * self._act_out_bytes(units)
@@ -300,6 +305,12 @@ def _cross_entropy(x: torch.Tensor) -> torch.Tensor:
     logits = x.float().reshape(-1, x.shape[-1])
     target = torch.zeros(logits.shape[0], dtype=torch.long, device=x.device)
     return torch.nn.functional.cross_entropy(logits, target)
+
+
+class ReplayFailed(Exception):
+    """A stage's job does not replay on fake tensors (a module that rebinds its own
+    parameters in forward, say), though the units ran on them once: the plan falls back to
+    summed unit costs (compiler.make_plan)."""
 
 
 def build_memory_model(program: ModelProgram, state_tensors: Mapping[str, torch.Tensor],
