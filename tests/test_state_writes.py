@@ -511,3 +511,44 @@ def test_a_buffer_rebound_in_forward_is_refused_not_dropped(leaf: bool) -> None:
                               loss_fn=F.mse_loss)
     assert all(not b.any() for b in model.buffers())
     pipe.close()
+
+
+class MaxNormEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8, max_norm=1.0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(ids))
+
+
+class ClampedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.1, 0.1)
+        return self.out(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("case", ["max_norm", "clamp"])
+def test_a_parameter_written_in_place_in_forward_is_refused_not_dropped(case: str) -> None:
+    """The write reached the device's copy of the weight only: the host parameter (which
+    the optimizer steps) kept its old values, where eager's are renormalized/clamped."""
+    from roundpipe.errors import ModelError
+    torch.manual_seed(0)
+    if case == "max_norm":
+        model, x, param = MaxNormEmbedding(), torch.randint(0, 10, (4, 3)), "emb.weight"
+        model.emb.weight.data.mul_(3)
+    else:
+        model, x, param = ClampedLinear(), torch.randn(4, 8), "lin.weight"
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MB))
+    with pytest.raises(ModelError, match=f"writes parameter {param} in place"):
+        pipe.forward_backward(input_args=(x,), label=None,
+                              loss_fn=lambda out, _: out.pow(2).mean())
+    pipe.close()

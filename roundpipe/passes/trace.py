@@ -438,6 +438,8 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             node.meta[MODULE_PATH] = _module_path(node)
     buffer_slots = {s.name for s in state if s.kind == "buffer"}
     _mark_state_mutations(graph, buffer_slots)
+    _refuse_parameter_writes(model, graph, {s.name: s.fqn for s in state
+                                            if s.kind == "parameter"})
     for node, path in replace_opaque_calls(gm, model, sites).items():
         node.meta[MODULE_PATH] = path
         if node.target is call_module_functional and model.get_submodule(path).training:
@@ -694,24 +696,48 @@ def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
     return node.kwargs.get(name, default)
 
 
+def _written_roots(node: torch.fx.Node) -> set[str]:
+    """Names of the base values ``node`` writes in place."""
+    written: list[Any] = []
+    hidden = HIDDEN_WRITES.get(node.target)
+    if hidden is not None:
+        written.extend(hidden(node))
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written.append(_arg(node, i, arg.name, None))
+    return {alias_root(w).name for w in written if isinstance(w, torch.fx.Node)}
+
+
 def _mark_state_mutations(graph: torch.fx.Graph, buffers: set[str]) -> None:
     """Record in ``meta[MUTATES]`` which buffers a node writes in place."""
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        written: list[Any] = []
-        hidden = HIDDEN_WRITES.get(node.target)
-        if hidden is not None:
-            written.extend(hidden(node))
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None:
-            for i, arg in enumerate(schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    written.append(_arg(node, i, arg.name, None))
-        roots = {alias_root(w).name for w in written if isinstance(w, torch.fx.Node)}
-        mutated = tuple(sorted(r for r in roots if r in buffers))
+        mutated = tuple(sorted(r for r in _written_roots(node) if r in buffers))
         if mutated:
             node.meta[MUTATES] = mutated
+
+
+def _refuse_parameter_writes(model: torch.nn.Module, graph: torch.fx.Graph,
+                             params: dict[str, str]) -> None:
+    """A parameter written in place by the forward (``nn.Embedding(max_norm=...)``'s
+    renorm, ``self.weight.clamp_(...)`` under no_grad) is written on the device's copy
+    only: the host weights, and so the optimizer's, never got the write.  Refused."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        hit = sorted(params[r] for r in _written_roots(node) if r in params)
+        if hit:
+            where = node.meta.get(MODULE_PATH) or "the top-level forward"
+            raise ModelError(
+                f"{type(model).__name__}'s forward writes parameter {hit[0]} in place "
+                f"({node.target} in {where}); roundpipe keeps the parameters on the host "
+                "and would drop that write silently. Apply such constraints outside the "
+                "forward (for example in the step, after the optimizer), or compute a new "
+                "tensor from the parameter instead of writing it (nn.Embedding(max_norm=) "
+                "renormalizes its weight in place: use max_norm=None)")
 
 
 def alias_root(node: torch.fx.Node) -> torch.fx.Node:
