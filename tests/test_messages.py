@@ -70,3 +70,40 @@ def test_a_non_scalar_loss_names_the_microbatch_once() -> None:
     message = str(info.value)
     assert message.count("microbatch") == 1, message
     assert "shape (3, 1)" in message
+
+
+class _SparseEmbedding(nn.Module):
+    def __init__(self, functional: bool, frozen: bool = False) -> None:
+        super().__init__()
+        self.functional = functional
+        self.emb = nn.Embedding(10, 4, sparse=not functional)
+        self.emb.weight.requires_grad_(not frozen)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.functional:
+            return self.lin(torch.nn.functional.embedding(x, self.emb.weight, sparse=True))
+        return self.lin(self.emb(x))
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_sparse_embedding_gradients_are_refused_with_the_way_out(functional) -> None:
+    """A sparse gradient failed in the backward stage ('copy_() between dense and sparse
+    Tensors'), after the forward had run; it is refused when tracing, naming the weight
+    and the way out.  A frozen sparse embedding (no gradient) trains as in eager."""
+    x = torch.randint(0, 10, (4, 3))
+    with RoundPipe(_SparseEmbedding(functional), devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        with pytest.raises(roundpipe.ModelError, match="sparse=True.*use sparse=False"):
+            pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum())
+    torch.manual_seed(0)
+    model = _SparseEmbedding(False, frozen=True).double()
+    eager = _SparseEmbedding(False, frozen=True).double()
+    eager.load_state_dict(model.state_dict())
+    eager(x).pow(2).sum().backward()
+    with RoundPipe(model, devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).sum())
+        pipe.synchronize()
+        for p, q in zip(model.lin.parameters(), eager.lin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)

@@ -132,6 +132,7 @@ def trace(
         TraceError: every tracer failed; the message names the failing source line and
             lists what was tried.
     """
+    _refuse_sparse_gradients(model)
     # One trace at a time: export, and the block sharing inside it, patch nn.Module
     # process-wide while they run.
     with _TRACE_LOCK:
@@ -440,6 +441,8 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     _mark_state_mutations(graph, buffer_slots)
     _refuse_parameter_writes(model, graph, {s.name: s.fqn for s in state
                                             if s.kind == "parameter"})
+    _refuse_sparse_ops(model, graph, {s.name: s.fqn for s in state
+                                      if s.kind == "parameter" and s.requires_grad})
     for node, path in replace_opaque_calls(gm, model, sites).items():
         node.meta[MODULE_PATH] = path
         if node.target is call_module_functional and model.get_submodule(path).training:
@@ -738,6 +741,40 @@ def _refuse_parameter_writes(model: torch.nn.Module, graph: torch.fx.Graph,
                 "forward (for example in the step, after the optimizer), or compute a new "
                 "tensor from the parameter instead of writing it (nn.Embedding(max_norm=) "
                 "renormalizes its weight in place: use max_norm=None)")
+
+
+_SPARSE_HINT = ("roundpipe keeps gradients dense (they are downloaded into dense host "
+                "buffers and summed across microbatches and devices); use sparse=False "
+                "(and a dense optimizer in place of SparseAdam), or freeze the weight")
+
+
+def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
+    """``nn.Embedding(sparse=True)`` / ``EmbeddingBag`` with a trainable weight: refused
+    before tracing (its sparse gradient failed in the backward stage, copying into a
+    dense buffer)."""
+    for path, m in model.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and \
+                m.weight.requires_grad:
+            raise ModelError(f"{path or type(model).__name__} ({type(m).__name__}) has "
+                             f"sparse=True: {_SPARSE_HINT}")
+
+
+def _refuse_sparse_ops(model: torch.nn.Module, graph: torch.fx.Graph,
+                       trainable: dict[str, str]) -> None:
+    """The same for the functional form (``F.embedding(..., sparse=True)``) on a trainable
+    parameter, as export's graph shows it."""
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        names = [a.name for a in schema.arguments]
+        if "sparse" not in names or not _arg(node, names.index("sparse"), "sparse", False):
+            continue
+        weight = _arg(node, 0, names[0], None)
+        if isinstance(weight, torch.fx.Node) and alias_root(weight).name in trainable:
+            raise ModelError(
+                f"{type(model).__name__}'s forward calls {node.target} with sparse=True on "
+                f"parameter {trainable[alias_root(weight).name]}: {_SPARSE_HINT}")
 
 
 def alias_root(node: torch.fx.Node) -> torch.fx.Node:
