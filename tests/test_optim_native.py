@@ -346,7 +346,10 @@ def test_an_unwritable_cache_directory_builds_elsewhere(monkeypatch, tmp_path):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("CC", _compiler())
     monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path))  # not left in /tmp
     assert native._build() is not None
+    assert [p.name.startswith("roundpipe-optim-") for p in tmp_path.iterdir()
+            if p.is_dir()] == [True]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
