@@ -17,8 +17,8 @@ from .grad_scaler import GradScaler
 from .errors import (ConfigError, InputError, LossError, MergeError, ModelError,
                      OutOfMemoryError, PartitionError, RoundPipeError, StageError, StepError,
                      TraceError, UnknownConfigFieldError)
-from .errors import (DataParallelError, NonFiniteGradientError, OptimizerError,
-                     ReplicaError)
+from .errors import (DataParallelError, HostOutOfMemoryError, NonFiniteGradientError,
+                     OptimizerError, ReplicaError)
 from .runtime.data_parallel import DataParallelConfig
 from .plan import StagePlan
 from .runtime.host_memory import HostMemory
@@ -73,6 +73,7 @@ __all__ = [
     "OptimizerError",
     "NonFiniteGradientError",
     "OutOfMemoryError",
+    "HostOutOfMemoryError",
     "DataParallelConfig",
     "DataParallelError",
     "ReplicaError",

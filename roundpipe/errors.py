@@ -83,6 +83,10 @@ class OutOfMemoryError(RoundPipeError, MemoryError):
     """A stage does not fit in a device's memory."""
 
 
+class HostOutOfMemoryError(RoundPipeError, MemoryError):
+    """The host could not allocate what roundpipe needs (an optimizer's state, say)."""
+
+
 class DataParallelError(RoundPipeError, RuntimeError):
     """Replicas could not combine their gradients (a collective failed or timed out, or
     the replicas do not run the same program); the group is unusable afterwards, except
@@ -117,6 +121,7 @@ __all__ = [
     "StageError",
     "StepError",
     "OutOfMemoryError",
+    "HostOutOfMemoryError",
     "DataParallelError",
     "ReplicaError",
 ]

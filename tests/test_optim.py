@@ -4,6 +4,8 @@ against eager kernels, and for what ``p.grad``, failures and checkpoints see."""
 
 from __future__ import annotations
 
+import copy
+
 
 import pytest
 import torch
@@ -633,3 +635,109 @@ def test_complex_parameters_are_stepped_by_torch():
         c.grad, d.grad = g.clone(), g.clone()
         ours.step(), theirs.step()
     assert torch.equal(c, d)
+
+
+def _fail_allocations_after(monkeypatch, n_ok):
+    """Make the n_ok+1-th state allocation fail as torch's CPU allocator does."""
+    from roundpipe.optim import one_pass
+    real, calls = one_pass.OnePass._moment, []
+
+    def moment(self, p):
+        calls.append(p)
+        if len(calls) > n_ok:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
+                               "can't allocate memory: you tried to allocate 4096 bytes.")
+        return real(self, p)
+    monkeypatch.setattr(one_pass.OnePass, "_moment", moment)
+    return lambda: monkeypatch.setattr(one_pass.OnePass, "_moment", real)
+
+
+def _state_equal(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert a["state"][k].keys() == b["state"][k].keys()
+        for key, v in a["state"][k].items():
+            assert torch.equal(v, b["state"][k][key]), (k, key)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("AdamW", dict(lr=1e-2, amsgrad=True)),
+    ("SGD", dict(lr=1e-2, momentum=0.9, dampening=0.5))])  # a fresh buffer != a zero one
+@pytest.mark.parametrize("kernel", ["native", "fused"])
+def test_running_out_of_host_memory_for_state_changes_nothing(name, kwargs, kernel,
+                                                              monkeypatch):
+    """The state of every group is allocated before any group is updated: an allocation
+    that fails in the second group raises HostOutOfMemoryError (bytes, way out) and leaves
+    parameters and optimizer state as they were, so a retry equals a run that never
+    failed, on the first step and after a group was added."""
+    from roundpipe import HostOutOfMemoryError
+    cls = getattr(roundpipe.optim, name)
+
+    def run(fail_at):
+        model, x, weight = _branches(torch.float32)
+        lins = list(model.lins)
+        groups = [{"params": [p for m in lins[:3] for p in m.parameters()]},
+                  {"params": [p for m in lins[3:5] for p in m.parameters()], "lr": 3e-3}]
+        opt = cls(groups, state_dtype=torch.bfloat16, kernel=kernel, **kwargs)
+        n_keys = 3 if name == "AdamW" else 1
+        for step in range(3):
+            if step == 2:  # a group added later: only its state is new
+                opt.add_param_group({"params": list(lins[5].parameters())})
+            opt.zero_grad()
+            (model(x * (step + 1)) * weight).sum().backward()
+            if step == fail_at:
+                # step 0: the first group's 6 parameters and one tensor of the second
+                # get their state; step 2: the new group's first parameter
+                restore = _fail_allocations_after(monkeypatch, n_keys * 6 + 1
+                                                  if step == 0 else n_keys)
+                before_p = [p.detach().clone() for p in model.parameters()]
+                before_s = copy.deepcopy(opt.state_dict())
+                with pytest.raises(HostOutOfMemoryError, match=r"GiB of bfloat16 for "
+                                   r"[\d,]+ parameters.*Nothing was updated") as e:
+                    opt.step()
+                assert "state_dtype" not in str(e.value).split("to need less")[1]
+                restore()
+                assert all(torch.equal(a, b) for a, b in zip(before_p, model.parameters()))
+                _state_equal(opt.state_dict(), before_s)
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+    clean_p, clean_s = run(None)
+    for fail_at in (0, 2):
+        params, state = run(fail_at)
+        assert all(torch.equal(a, b) for a, b in zip(clean_p, params)), fail_at
+        _state_equal(state, clean_s)
+
+
+def test_a_pipe_step_that_runs_out_of_host_memory_for_state_can_be_retried(monkeypatch):
+    """Through pipe.step: StepError caused by HostOutOfMemoryError, masters, weights and
+    optimizer state unchanged, and the retried step equals one that never failed."""
+    from roundpipe import HostOutOfMemoryError
+    loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
+
+    def run(fail):
+        torch.manual_seed(0)
+        model, args, kw = models.gpt(layers=2)
+        model = model.to(torch.bfloat16)
+        with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32) as pipe:
+            masters = list(pipe.optim_parameters())
+            opt = roundpipe.optim.AdamW([{"params": masters[:4]}, {"params": masters[4:],
+                                                                   "weight_decay": 0.0}],
+                                        lr=1e-2)
+            pipe.forward_backward(input_args=args, input_kwargs=kw, loss_fn=loss_fn)
+            if fail:
+                restore = _fail_allocations_after(monkeypatch, 2 * 4 + 1)
+                weights = [w.detach().clone() for w in model.parameters()]
+                with pytest.raises(StepError, match="HostOutOfMemoryError") as e:
+                    pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+                assert isinstance(e.value.__cause__, HostOutOfMemoryError)
+                restore()
+                assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+                assert all(torch.equal(m, w.float()) for m, w in zip(masters,
+                                                                     model.parameters()))
+                assert opt.state_dict()["state"] == {}
+            pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+            pipe.synchronize()
+            return [m.detach().clone() for m in masters]
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))

@@ -43,17 +43,15 @@ class AdamW(OnePass, torch.optim.AdamW):
             raise OptimizerError(f"AdamW needs 0 <= betas < 1 and eps >= 0, got "
                                  f"betas={group['betas']!r}, eps={group['eps']!r}")
 
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
     def _update_group(self, group: dict[str, Any],
                       pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         amsgrad = bool(group["amsgrad"])
         items = []
         for p, grad in pairs:
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = self._moment(p)
-                state["exp_avg_sq"] = self._moment(p)
-                if amsgrad:
-                    state["max_exp_avg_sq"] = self._moment(p)
+            state = self.state[p]  # its moments were allocated by OnePass.step
             moments = [state["exp_avg"], state["exp_avg_sq"]]
             if amsgrad:
                 moments.append(state["max_exp_avg_sq"])

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import OptimizerError
+from ..errors import HostOutOfMemoryError, OptimizerError
 from ..runtime.masters import LandedGrads, owner_of, raw_grad, set_raw_grad
 from . import kernels, native
 
@@ -118,6 +118,9 @@ class OnePass:
         scales: dict[int, tuple[torch.Tensor, ...]] = {}
         work = [[(p, grad) for p in params
                  if (grad := self._grad_of(p, scales)) is not None] for params in mine]
+        # Every buffer is allocated before anything is written: running out of host
+        # memory in a later group must not leave earlier groups stepped.
+        self._fresh = self._allocate_state(list(zip(groups, work)))
         self._torch_step_without(mine)
         self._scales = scales
         try:
@@ -125,8 +128,71 @@ class OnePass:
                 if pairs:
                     self._update_group(g, pairs)
         finally:
-            self._scales = {}
+            self._scales, self._fresh = {}, frozenset()
         return loss
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state tensors (each shaped as its parameter) a step of ``group`` keeps."""
+        raise NotImplementedError
+
+    def _allocate_state(self, work: list[tuple[dict[str, Any],
+                                                list[tuple[torch.Tensor, torch.Tensor]]]]
+                        ) -> frozenset[tuple[int, str]]:
+        """Allocate every state tensor this step needs that does not exist yet (and the
+        conversion buffers), and return the ``(id(param), key)`` of those created.  If an
+        allocation fails, the ones made are dropped again and the optimizer is as before."""
+        created: list[tuple[torch.Tensor, str]] = []
+        known = {id(p) for p in self.state}  # type: ignore[attr-defined]
+        try:
+            for group, pairs in work:
+                keys = self._state_keys(group)
+                for p, _ in pairs:
+                    state = self.state[p]  # type: ignore[attr-defined]
+                    for key in keys:
+                        if state.get(key) is None:
+                            state[key] = self._moment(p)
+                            created.append((p, key))
+            if self.kernel == "fused" or native.library() is None:
+                n_slots = 1 + max((len(self._state_keys(g)) for g, pairs in work if pairs),
+                                  default=0)
+                for dtype in {p.dtype for _, pairs in work for p, _ in pairs}:
+                    for slot in range(n_slots):
+                        self._scratch().get(slot, dtype, kernels.CHUNK)
+        except BaseException as e:
+            for p, key in created:
+                self.state[p].pop(key, None)  # type: ignore[attr-defined]
+            for p in [p for p, state in self.state.items()  # type: ignore[attr-defined]
+                      if id(p) not in known and not state]:
+                del self.state[p]  # type: ignore[attr-defined]
+            if isinstance(e, MemoryError) or (isinstance(e, RuntimeError)
+                                              and "alloc" in str(e).lower()):
+                raise self._out_of_memory(work, e) from e
+            raise
+        return frozenset((id(p), key) for p, key in created)
+
+    def _out_of_memory(self, work: list[tuple[dict[str, Any],
+                                               list[tuple[torch.Tensor, torch.Tensor]]]],
+                       error: BaseException) -> HostOutOfMemoryError:
+        needed = count = 0
+        for group, pairs in work:
+            keys = self._state_keys(group)
+            for p, _ in pairs:
+                state = self.state.get(p, {})  # type: ignore[attr-defined]
+                missing = sum(state.get(k) is None for k in keys)
+                if missing:
+                    count += p.numel()
+                    needed += missing * p.numel() * (self.state_dtype or p.dtype).itemsize
+        dtype = str(self.state_dtype or "the parameters' dtype").replace("torch.", "")
+        advice = ([] if self.state_dtype is not None else
+                  ["state_dtype=torch.bfloat16 (half the bytes)"]) + [
+            "RoundPipe(..., landing_buffers=1) (fewer gradient buffers)",
+            "train fewer parameters (LoRA) or with SGD"]
+        return HostOutOfMemoryError(
+            f"{type(self).__name__} could not allocate its state on the host: "
+            f"{needed / 2**30:.2f} GiB of {dtype} for {count:,} parameters "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            f"Nothing was updated and no state was kept. pipe.host_memory() shows what the "
+            f"host holds; to need less: {'; '.join(advice)}")
 
     def _scale_of(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The factors ``p``'s gradient (held where it landed) is multiplied by."""
@@ -205,6 +271,10 @@ class OnePass:
             raise OptimizerError("differentiable=True and capturable=True are not supported "
                                  "by roundpipe.optim's kernels (host tensors updated outside "
                                  "autograd and CUDA graphs); use torch.optim for them")
+
+    def _is_fresh(self, p: torch.Tensor, key: str) -> bool:
+        """Whether ``p``'s state ``key`` was created by the step in progress."""
+        return (id(p), key) in self.__dict__.get("_fresh", ())
 
     def _moment(self, p: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(p, dtype=self.state_dtype or p.dtype,

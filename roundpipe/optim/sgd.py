@@ -30,6 +30,9 @@ class SGD(OnePass, torch.optim.SGD):
         super().__init__(params, *args, **kwargs)
         self._init_one_pass(state_dtype, kernel)
 
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if float(group["momentum"]) != 0 else ()
+
     def _update_group(self, group: dict[str, Any],
                       pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         momentum = float(group["momentum"])
@@ -43,10 +46,8 @@ class SGD(OnePass, torch.optim.SGD):
             if momentum == 0:
                 later.append(kernels.Item(p, grad, [], scale=self._scale_of(p)))
                 continue
-            state = self.state[p]
-            fresh = state.get("momentum_buffer") is None
-            if fresh:
-                state["momentum_buffer"] = self._moment(p)
+            state = self.state[p]  # its buffer was allocated by OnePass.step
+            fresh = self._is_fresh(p, "momentum_buffer")
             (first if fresh else later).append(
                 kernels.Item(p, grad, [state["momentum_buffer"]], scale=self._scale_of(p)))
         for items, is_first in ((first, True), (later, False)):
