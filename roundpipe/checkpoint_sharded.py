@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized", category=UserWarning)
 
-FORMAT = "roundpipe-sharded-1"
+FORMAT = "roundpipe-sharded-2"  # 2: a tied weight is written once (model_aliases)
+_READABLE = ("roundpipe-sharded-1", FORMAT)
 META_FILE = "roundpipe.pt"
 _TENSOR = "<tensor>"  # marks an optimizer state entry stored through DCP
 _WRITING: set[str] = set()  # directories this process is writing now
@@ -104,8 +105,15 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
     tensors: dict[str, torch.Tensor] = {}
     live: set[str] = set()
     other: dict[str, Any] = {}
+    aliases: dict[str, str] = {}  # a tied weight's second name -> the key written
+    seen: dict[tuple[Any, ...], str] = {}
     for key, value in sd.items():
         if isinstance(value, torch.Tensor):
+            view = _view_key(value)
+            if view in seen:
+                aliases[key] = seen[view]
+                continue
+            seen[view] = key
             tensors["model." + key] = value.detach()
             if key in params:
                 live.add("model." + key)
@@ -115,6 +123,7 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
         tensors["published." + name] = value  # already a copy
     meta: dict[str, Any] = {
         "format": FORMAT, "model_keys": list(sd.keys()), "model_other": other,
+        "model_aliases": aliases,
         "model_metadata": metadata, "roundpipe": rp, "published": sorted(published),
         "scaler": scaler.state_dict() if scaler is not None else None, "extra": extra,
         "optimizer": None,
@@ -144,6 +153,13 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
                   for g in optimizer.param_groups]
         meta["optimizer"] = {"param_groups": groups, "state": layout}
     return Collected(tensors, meta, live, {"published." + n for n in published})
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for two names of one tensor (tied weights): written once, as torch.save and
+    safetensors exports do."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            t.stride(), t.dtype, t.device)
 
 
 # --- writing ---------------------------------------------------------------------------
@@ -326,7 +342,7 @@ def read_meta(path: str) -> dict[str, Any]:
         raise CheckpointError(f"cannot load {meta_path!r} with weights_only=True "
                               f"({type(e).__name__}: {e}); save it with "
                               "roundpipe.save_checkpoint") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in _READABLE:
         hint = (f": it holds a one-file checkpoint, load {meta_path!r}"
                 if isinstance(meta, dict) and "model" in meta else "")
         raise CheckpointError(f"{path!r} is not a roundpipe sharded checkpoint "
@@ -360,11 +376,13 @@ def read_tensors(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
 def model_state(path: str, meta: dict[str, Any]) -> collections.OrderedDict:
     """The model's state dict as ``pipe.state_dict()`` returned it."""
     other = meta["model_other"]
-    tensor_keys = [k for k in meta["model_keys"] if k not in other]
+    aliases = meta.get("model_aliases", {})  # absent before tied weights were written once
+    tensor_keys = [k for k in meta["model_keys"] if k not in other and k not in aliases]
     read = read_tensors(path, ["model." + k for k in tensor_keys]
                         + ["published." + n for n in meta["published"]])
     sd: collections.OrderedDict = collections.OrderedDict(
-        (k, other[k] if k in other else read["model." + k]) for k in meta["model_keys"])
+        (k, other[k] if k in other else read["model." + aliases.get(k, k)])
+        for k in meta["model_keys"])
     rp = dict(meta["roundpipe"])
     if meta["published"]:
         rp["published"] = {n: read["published." + n] for n in meta["published"]}

@@ -319,3 +319,47 @@ def test_an_optimizer_with_other_groups_is_refused_before_anything_loads(tmp_pat
     pipe.synchronize()
     _assert_bitwise({n: p.detach() for n, p in pipe.optim_named_parameters()}, weights)
     pipe.close()
+
+
+def test_a_tied_weight_is_written_once_and_loads_under_both_names(tmp_path, monkeypatch):
+    """GPT's head shares the embedding's tensor: the directory holds it once (as
+    torch.save and the safetensors export do), a fresh pipe loads it tied and equal, and
+    a directory written before (both names, format 1) still loads."""
+    from torch.distributed.checkpoint import FileSystemReader
+    pipe, opt, scaler = _setup(2)
+    _train(pipe, opt, scaler, range(2))
+    save_checkpoint(tmp_path / "ck", pipe, opt, scaler, sharded=True)
+    want = _final(pipe, opt)
+    pipe.close()
+    stored = FileSystemReader(str(tmp_path / "ck")).read_metadata().state_dict_metadata
+    model_keys = {k for k in stored if k.startswith("model.")}
+    assert ("model.wte.weight" in model_keys) != ("model.head.weight" in model_keys)
+    meta = checkpoint_sharded.read_meta(str(tmp_path / "ck"))
+    assert set(meta["model_aliases"].items()) <= {("head.weight", "wte.weight"),
+                                                   ("wte.weight", "head.weight")}
+    assert meta["model_aliases"]
+
+    # what format 1 wrote: every name, no aliases
+    real = checkpoint_sharded.collect
+
+    def collect_v1(*args, **kwargs):
+        c = real(*args, **kwargs)
+        sd = args[0].state_dict()
+        for dup, first in c.meta.pop("model_aliases").items():
+            c.tensors["model." + dup] = sd[dup].detach()
+        c.meta["format"] = "roundpipe-sharded-1"
+        return c
+    pipe, opt, scaler = _setup(2)
+    _train(pipe, opt, scaler, range(2))
+    monkeypatch.setattr(checkpoint_sharded, "collect", collect_v1)
+    save_checkpoint(tmp_path / "v1", pipe, opt, scaler, sharded=True)
+    monkeypatch.undo()
+    pipe.close()
+    assert {"model.wte.weight", "model.head.weight"} <= set(
+        FileSystemReader(str(tmp_path / "v1")).read_metadata().state_dict_metadata)
+    for path in ("ck", "v1"):
+        pipe, opt, scaler = _setup(3)
+        load_checkpoint(tmp_path / path, pipe, opt, scaler)
+        assert pipe.model.head.weight is pipe.model.wte.weight
+        _assert_bitwise(_final(pipe, opt), want)
+        pipe.close()
