@@ -266,11 +266,27 @@ TRICKY: dict[str, Callable[[torch.Tensor], Any]] = {
         1, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=h.dtype)),
     "scatter_into_replicated": lambda h: torch.zeros(16, 4, dtype=h.dtype)[:h.shape[0]]
         .scatter(1, h.argsort(1), h),
+    # einsum: per sample only while the batch's letter is kept, in batch operands only
+    "einsum_rows": lambda h: torch.einsum("bi,ij->bj", h, _TABLE[:4]),
+    "einsum_implicit": lambda h: torch.einsum("bi,ij", h, _TABLE[:4]),
+    "einsum_ellipsis": lambda h: torch.einsum("...i,ij->...j", h.unsqueeze(1), _TABLE[:4]),
+    "einsum_batch_moved": lambda h: torch.einsum("bi,ij->jb", h, _TABLE[:4]),
+    "einsum_pairs_own_rows": lambda h: torch.einsum("bi,bj->bij", h, h.tanh()),
+    "einsum_contracts_batch": lambda h: torch.einsum("bi,bj->ij", h, h),
+    "einsum_crosses_samples": lambda h: torch.einsum("bi,cj->bcij", h, h),
+    "einsum_implicit_sums_batch": lambda h: torch.einsum("bi,bi", h, h),
+    "einsum_replicated_rows": lambda h: torch.einsum("bi,bi->bi", h, _TABLE[:h.shape[0]]),
+    "cdist_rows": lambda h: torch.cdist(h, _TABLE[:5]),
+    "cdist_columns": lambda h: torch.cdist(_TABLE[:5], h),
+    "cdist_between_samples": lambda h: torch.cdist(h, h),
+    "polar": lambda h: torch.view_as_real(torch.polar(h.abs(), h)),
 }
 
 # Per-sample scatters that must merge (top-k routing in mixture-of-experts layers).
 MERGEABLE = {"scatter_topk_features", "scatter_add_own_index", "scatter_reduce_own_index",
-             "scatter_value", "scatter_batch_sized_index"}
+             "scatter_value", "scatter_batch_sized_index", "einsum_rows", "einsum_implicit",
+             "einsum_ellipsis", "einsum_batch_moved", "einsum_pairs_own_rows", "cdist_rows",
+             "cdist_columns", "polar"}
 
 
 @pytest.mark.parametrize("name", sorted(TRICKY))
@@ -353,3 +369,34 @@ def test_outputs_through_an_opaque_module_need_merge_output() -> None:
             pipe(x)
         torch.testing.assert_close(pipe(x, run_config=RoundPipeRunConfig(merge_output=0)),
                                    eager(x), rtol=1e-12, atol=1e-12)
+
+
+class _Mixer(nn.Module):
+    """Ends in a matmul with its own weight: the output's batch dimension is found from
+    that weight's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.centers = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.lin(x), -1) @ self.centers
+
+
+def test_ops_on_the_weights_of_a_repeated_blocks_copies_merge_by_their_shapes() -> None:
+    """A repeated block is traced once and copied; its copies' weights became
+    placeholders without a recorded shape, which the merge pass read as 0-dim: pipe(x)
+    concatenated the last block's output along the wrong dimension ((2, 24) for eager's
+    (6, 8)).  Every state placeholder now records its shape."""
+    from roundpipe.passes.trace import trace
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Mixer() for _ in range(3))).double()
+    x = torch.randn(6, 8, dtype=torch.double)
+    traced = trace(model, (x,))
+    for node in traced.graph_module.graph.nodes:
+        if node.op == "placeholder" and node.name in {s.name for s in traced.state}:
+            assert tuple(node.meta["val"].shape) == tuple(
+                traced.state_tensors[node.name].shape), node.name
+    for devices, num_mb in ((1, 3), (2, 3)):
+        _check(copy.deepcopy(model), x, devices, num_mb)

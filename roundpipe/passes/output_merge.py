@@ -361,6 +361,8 @@ def _transfer(node: torch.fx.Node, states: dict, batch: Any, traced: TracedGraph
         s = states.get(a, R)
         if s[0] == "M":
             raise _Mixing(s[1])
+        if a.op == "placeholder" and "val" not in a.meta:  # its shape would read as ()
+            raise _Mixing(f"{_where(node)} reads {a.name}, whose shape the graph lacks")
     if node.op == "call_function" and node.target is operator.getitem:
         s = states[node.args[0]]
         if s[0] == "list":
@@ -767,6 +769,107 @@ def _matmul(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     return ("B", out) + layouts.pop()
 
 
+def _einsum_letters(equation: str, ndims: Sequence[int]) -> tuple[list[str], str] | None:
+    """Each operand's subscripts and the output's, one letter per dimension (an
+    ellipsis spelled out as upper-case letters einsum's own lower-case ones never use),
+    or None when the equation cannot be read."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, out = equation.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ndims) or any(not re.fullmatch(r"[a-zA-Z]*(\.\.\.)?[a-zA-Z]*", t)
+                                       for t in terms + [out]):
+        return None
+    if any(t.isascii() and any(c.isupper() for c in t) for t in terms):
+        return None  # upper-case subscripts: the spelled-out ellipsis would clash
+    spelled, widest = [], 0
+    for term, nd in zip(terms, ndims):
+        if "..." in term:
+            head, _, tail = term.partition("...")
+            n = nd - len(head) - len(tail)
+            if n < 0:
+                return None
+            widest = max(widest, n)
+            # broadcast dimensions line up from the right
+            term = head + "".join(chr(ord("Z") - i) for i in reversed(range(n))) + tail
+        if len(term) != nd:
+            return None
+        spelled.append(term)
+    ellipsis = "".join(chr(ord("Z") - i) for i in reversed(range(widest)))
+    if arrow:
+        out = out.replace("...", ellipsis)
+    else:  # implicit output: the ellipsis, then the letters used once, sorted
+        letters = "".join(spelled)
+        out = ellipsis + "".join(sorted(c for c in set(letters)
+                                        if letters.count(c) == 1 and c.islower()))
+    return spelled, out
+
+
+def _einsum(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """``einsum``: per sample when the batch dimension's subscript is one letter, at the
+    batch dimension of every batch operand (laid out alike), in no replicated operand,
+    and kept in the output (so it is neither summed over nor paired with a replicated
+    tensor's slices)."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or not isinstance(operands, (list, tuple)):
+        raise _Mixing(f"{_where(node)}: an equation roundpipe cannot read")
+    read = _einsum_letters(equation, [_ndim(t) for t in operands])
+    if read is None:
+        raise _Mixing(f"{_where(node)}: an equation roundpipe cannot read ({equation!r})")
+    terms, out = read
+    letters, layouts = set(), set()
+    for term, t in zip(terms, operands):
+        st = _st(t, states)
+        if st == R:
+            continue
+        if st[0] != "B":
+            raise _Mixing(f"{_where(node)} reads the batch size or the sample numbers")
+        letters.add(term[st[1]])
+        layouts.add(tuple(st[2:]))
+        if term.count(term[st[1]]) != 1:
+            raise _Mixing(f"{_where(node)} takes a diagonal along the batch dimension")
+    if len(letters) != 1 or len(layouts) != 1:
+        raise _Mixing(f"{_where(node)} pairs batch dimensions that do not align")
+    letter = letters.pop()
+    for term, t in zip(terms, operands):
+        st = _st(t, states)
+        if st[0] == "B" and term.index(letter) != st[1]:
+            raise _Mixing(f"{_where(node)} pairs the batch with another dimension")
+        if st == R and letter in term:
+            raise _Mixing(f"{_where(node)} pairs each sample with a replicated slice")
+    if out.count(letter) != 1:
+        raise _Mixing(f"{_where(node)} contracts over the batch")
+    return ("B", out.index(letter)) + layouts.pop()
+
+
+def _cdist(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """``cdist(x1 (.., P, M), x2 (.., R, M))`` -> ``(.., P, R)``: per sample when the batch
+    runs along x1's rows (x2 replicated), x2's rows (x1 replicated), or a leading
+    dimension of both (laid out alike; a replicated operand then has no extent there)."""
+    x1, x2 = node.args[0], node.args[1]
+    s1, s2 = states.get(x1, R), states.get(x2, R)
+    n1, n2, nout = _ndim(x1), _ndim(x2), _ndim(node)
+    if any(s not in (R,) and s[0] != "B" for s in (s1, s2)):
+        raise _Mixing(f"{_where(node)} reads the batch size or the sample numbers")
+    out = None
+    if s1[0] == "B" and s2 == R and s1[1] == n1 - 2:
+        out = nout - 2
+    elif s2[0] == "B" and s1 == R and s2[1] == n2 - 2:
+        out = nout - 1
+    elif all(s[0] == "B" for s in (s1, s2)) and s1[2:] == s2[2:] \
+            and s1[1] < n1 - 2 and n1 - s1[1] == n2 - s2[1]:
+        out = nout - (n1 - s1[1])
+    elif s1[0] == "B" and s2 == R and s1[1] < n1 - 2 \
+            and _broadcasts_past(_shape(x2)[:-2], nout - 2, nout - (n1 - s1[1])):
+        out = nout - (n1 - s1[1])
+    elif s2[0] == "B" and s1 == R and s2[1] < n2 - 2 \
+            and _broadcasts_past(_shape(x1)[:-2], nout - 2, nout - (n2 - s2[1])):
+        out = nout - (n2 - s2[1])
+    if out is None:
+        raise _Mixing(f"{_where(node)} measures distances between samples")
+    st = s1 if s1[0] == "B" else s2
+    return ("B", out) + tuple(st[2:])
+
+
 def _embedding(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     weight, idx = node.args[0], node.args[1]
     if states.get(weight, R) != R or states.get(idx, R)[0] != "B":
@@ -1034,6 +1137,10 @@ _HANDLERS: dict[str, Callable[[torch.fx.Node, dict, Any], tuple]] = {
     "linear": _linear,
     **{n: _matmul for n in ("matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm")},
     "embedding": _embedding,
+    "einsum": _einsum, "cdist": _cdist, "_cdist_forward": _cdist,
+    # elementwise with broadcasting, though not tagged pointwise
+    **{n: _elementwise for n in ("polar", "complex", "lerp", "copysign", "xlogy",
+                                 "hardswish", "pow", "float_power", "fmod", "remainder")},
     **{n: _sdpa for n in ("scaled_dot_product_attention",
                           "_scaled_dot_product_flash_attention_for_cpu",
                           "_scaled_dot_product_flash_attention",

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .block_keys import (WRAPPER_MARK, attribute_key, fingerprint, has_symbolic_size,
                          input_key, outside_export, state_layout)
@@ -451,6 +451,10 @@ def add_hidden_state(gm: torch.fx.GraphModule, hidden: list[tuple[str, torch.Ten
     names gets one."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # Passes read shapes from meta["val"] (output_merge, costs): a placeholder without
+    # one would read as a 0-dim tensor.  The export's own fake mode makes them.
+    fake_mode = next((n.meta["val"].fake_mode for n in graph.nodes
+                      if isinstance(n.meta.get("val"), FakeTensor)), None)
     made: dict[torch.fx.Node, tuple[str, torch.Tensor, str]] = {}
     seen: set[int] = set()
     for fqn, tensor, kind in hidden:
@@ -461,6 +465,8 @@ def add_hidden_state(gm: torch.fx.GraphModule, hidden: list[tuple[str, torch.Ten
         with graph.inserting_before(first_input) if first_input is not None \
                 else graph.inserting_after(placeholders[-1]):
             node = graph.placeholder(name)
+        if fake_mode is not None:
+            node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
         made[node] = (fqn, tensor, kind)
     return made
 
