@@ -76,6 +76,9 @@ class _Compiled:
     training: tuple[bool, ...]
     analysis: Analysis
     autocast: tuple[str, torch.dtype] | None  # the callers' autocast when traced
+    # The grad mode traced in: a pipe(x) under no_grad gets a program of its own, since
+    # model code may branch on grad mode (nn.MultiheadAttention's fast path).
+    grad: bool = True
     # Output merge plans by the way calls split the inputs (value -> dim).
     merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
     # Plans (and their executors) by (memory cap, num_microbatch, recompute grain).
@@ -322,12 +325,13 @@ class RoundPipe:
 
     def _compiled_for(self, mbs: list[tuple[tuple[Any, ...], dict[str, Any]]],
                       full_args: tuple[Any, ...], full_kwargs: dict[str, Any],
-                      cfg: ResolvedRunConfig) -> _Compiled:
+                      cfg: ResolvedRunConfig, grad: bool = True) -> _Compiled:
         training = self._training_flags()
         autocast = self._autocast()
         cap = self._memory_cap(cfg)
         for entry in self._compiled:
-            if entry.training == training and entry.autocast == autocast and all(
+            if entry.training == training and entry.autocast == autocast \
+                    and entry.grad == grad and all(
                     matches(entry.plan.program.inputs, a, k) for a, k in mbs):
                 self._use_cap(entry, cap, cfg)
                 self._current = entry
@@ -345,7 +349,7 @@ class RoundPipe:
                                cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
                                device_model=self.device_model,
                                leaf_modules=self.leaf_modules + self._found_leaves,
-                               share_blocks=self.share_blocks)
+                               share_blocks=self.share_blocks, grad=grad)
         # A recompile (new shapes, eval mode) goes straight to the leaves this one needed.
         self._found_leaves = analysis.leaves
         plan = make_plan(analysis.program, analysis.units, analysis.report,
@@ -366,7 +370,7 @@ class RoundPipe:
         if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
             pin_host_state(self._state, host, self.pin_memory)
         executor = Executor(plan, host, self.devices, self._landing, self.compile_units)
-        entry = _Compiled(plan, host, executor, training, analysis, autocast)
+        entry = _Compiled(plan, host, executor, training, analysis, autocast, grad=grad)
         entry.by_cap[(cap, cfg.num_microbatch, cfg.recompute_grain)] = (entry.plan,
                                                                          entry.executor)
         self._compiled.append(entry)
@@ -500,12 +504,12 @@ class RoundPipe:
             raise RoundPipeError("this RoundPipe was closed; create a new one")
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 cfg: ResolvedRunConfig) -> tuple[_Compiled, list[dict[str, Any]],
-                                                  list[tuple[tuple, dict]]]:
+                 cfg: ResolvedRunConfig, grad: bool = True
+                 ) -> tuple[_Compiled, list[dict[str, Any]], list[tuple[tuple, dict]]]:
         self._check_open()
         check_on_cpu((args, kwargs), "input")
         mbs = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
-        entry = self._compiled_for(mbs, args, kwargs, cfg)
+        entry = self._compiled_for(mbs, args, kwargs, cfg, grad)
         flat = [flatten_inputs(entry.plan.program.inputs, a, k) for a, k in mbs]
         return entry, flat, mbs
 
@@ -723,9 +727,9 @@ class RoundPipe:
         with self._lock, self._diagnose_dtypes(tuple(args), dict(kwargs)):
             cfg = self._config(run_config)
             self._optimizer.raise_if_failed()
-            entry, flat, mbs = self._prepare(tuple(args), dict(kwargs), cfg)
             record = cfg.requires_grad if cfg.requires_grad is not None \
                 else torch.is_grad_enabled()
+            entry, flat, mbs = self._prepare(tuple(args), dict(kwargs), cfg, record)
             if record and callable(cfg.merge_output):
                 raise ConfigError(
                     "a callable merge_output cannot be differentiated through; use a merge "

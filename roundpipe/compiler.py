@@ -51,6 +51,7 @@ def analyze(
     device_model: DeviceModel | None = None,
     leaf_modules: Sequence[str | type] = (),
     share_blocks: bool = True,
+    grad: bool = True,
 ) -> Analysis:
     """Trace ``model`` and estimate its per-unit costs.
 
@@ -61,13 +62,14 @@ def analyze(
         device_model: throughput figures for the cost model (default: the CPU's).
         leaf_modules: modules (paths or classes) tracing keeps opaque.
         share_blocks: trace each distinct repeated block once (see :func:`trace`).
+        grad: the grad mode the program serves (see :func:`trace`).
     """
     device_model = device_model or DeviceModel.for_device("cpu")
     # 1. trace: one flat graph, state as placeholders, tied weights deduplicated.
     tree = module_tree(model)
     roots = find_unit_roots(tree, resolve_leaf_modules(model, leaf_modules))
     traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots,
-                   opaque_modules=leaf_modules, share_blocks=share_blocks)
+                   opaque_modules=leaf_modules, share_blocks=share_blocks, grad=grad)
     # Leaves found while tracing hide what is inside them.
     hidden = frozenset(resolve_leaf_modules(model, leaf_modules)) | frozenset(traced.leaves)
     layers = assign_units(traced, tree, hidden)

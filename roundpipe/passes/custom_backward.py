@@ -65,7 +65,6 @@ def refuse_custom_backward() -> Iterator[None]:
 
     base.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
     try:
-        with torch.enable_grad():
-            yield
+        yield
     finally:
         base.apply = original  # type: ignore[method-assign]

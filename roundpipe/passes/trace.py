@@ -111,6 +111,7 @@ def trace(
     opaque_modules: Iterable[str | type] = (),
     dynamic: bool = True,
     share_blocks: bool = True,
+    grad: bool = True,
 ) -> TracedGraph:
     """Trace ``model`` on the example inputs.
 
@@ -126,6 +127,10 @@ def trace(
         dynamic: try dynamic shapes first.
         share_blocks: trace each distinct repeated block once and copy its graph into
             the blocks that compute the same (see :mod:`roundpipe.passes.shared_blocks`).
+        grad: the grad mode the model's code sees while traced (the mode of the calls
+            the program will serve: Python branches on ``torch.is_grad_enabled()`` or on
+            ``requires_grad``, such as ``nn.MultiheadAttention``'s fast path, are fixed in
+            the program).  Regions the model enters itself are marked relative to it.
 
     Raises:
         ModelError: the model has no parameters.
@@ -135,7 +140,7 @@ def trace(
     _refuse_sparse_gradients(model)
     # One trace at a time: export, and the block sharing inside it, patch nn.Module
     # process-wide while they run.
-    with _TRACE_LOCK:
+    with _TRACE_LOCK, torch.set_grad_enabled(grad):
         with _watch_buffer_reassignment(model) as reassigned:
             traced = _trace(model, example_args, example_kwargs, leaf_modules=leaf_modules,
                             opaque_modules=opaque_modules, dynamic=dynamic,
@@ -365,10 +370,10 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         hook.remove()
         _clear_dim_markers((args, kwargs))
     # no_grad / autocast blocks become marked nodes of the flat graph (their writes to
-    # buffers and their random ops are then seen like any other).  Export runs with grad
-    # enabled (refuse_custom_backward).
+    # buffers and their random ops are then seen like any other).  Export runs in the
+    # grad mode trace() was asked for.
     inline_mode_regions(gm)
-    mark_mode_regions(graph, initial_grad=True)
+    mark_mode_regions(graph, initial_grad=torch.is_grad_enabled())
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
 
     # State slots, deduplicated by tensor identity (tied weights keep one placeholder).

@@ -1,0 +1,79 @@
+"""Model code that depends on grad mode, layouts and output/input structures gives eager's
+results under roundpipe (float64, virtual CPU devices), found by an adversarial hunt."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import reference
+from roundpipe import RoundPipe, RoundPipeRunConfig
+
+W = 8
+
+
+class GradModeBranch(nn.Module):
+    """Python branches on grad mode, as fast paths do (MultiheadAttention's, SDPA's)."""
+
+    def __init__(self, on: str) -> None:
+        super().__init__()
+        self.on = on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = not torch.is_grad_enabled() if self.on == "grad_mode" else not x.requires_grad
+        return torch.sin(x) if fast else torch.tanh(x)
+
+
+class BranchBlock(nn.Module):
+    def __init__(self, on: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+        self.act = GradModeBranch(on)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.lin(x))
+
+
+class BranchNet(nn.Module):
+    def __init__(self, on: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(BranchBlock(on) for _ in range(3))
+        self.head = nn.Linear(W, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _pipe(model: nn.Module, devices: int = 2, num_mb: int = 2) -> RoundPipe:
+    return RoundPipe(model, devices=["cpu"] * devices, optim_dtype=None,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=num_mb))
+
+
+@pytest.mark.parametrize("on", ["grad_mode", "requires_grad"])
+def test_a_forward_under_no_grad_runs_the_no_grad_branches(on: str) -> None:
+    """The program was traced with grad enabled and served no_grad calls too: a model
+    branching on grad mode (or on requires_grad) returned its grad-mode values under
+    torch.no_grad(), 0.1 off eager's. Programs are now kept per grad mode."""
+    torch.manual_seed(0)
+    model = BranchNet(on).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, W, dtype=torch.double)
+    y = torch.randn(6, 2, dtype=torch.double)
+    with _pipe(model) as pipe:
+        with torch.no_grad():  # the first call: traced under no_grad
+            torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-12)
+        loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        ref = reference.eager_forward_backward(eager, (x,), {}, y, F.mse_loss, 2)
+        torch.testing.assert_close(loss, ref, rtol=0, atol=1e-12)
+        for p, q in zip(pipe.optim_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+        with torch.no_grad():  # after training: the no_grad program again
+            torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-12)
+        torch.testing.assert_close(pipe(x).detach(), eager(x).detach(), rtol=0, atol=1e-12)
+        assert len(pipe.plans) == 2
