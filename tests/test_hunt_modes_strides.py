@@ -77,3 +77,46 @@ def test_a_forward_under_no_grad_runs_the_no_grad_branches(on: str) -> None:
             torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-12)
         torch.testing.assert_close(pipe(x).detach(), eager(x).detach(), rtol=0, atol=1e-12)
         assert len(pipe.plans) == 2
+
+
+class ReturnsState(nn.Module):
+    """Returns a parameter and a buffer themselves beside the prediction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(W, W) for _ in range(3))
+        self.head = nn.Linear(W, 2)
+        self.register_buffer("scale", torch.arange(1.0, 3.0))
+
+    def forward(self, x: torch.Tensor):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x) * self.scale, self.blocks[0].bias, self.head.bias, self.scale
+
+
+def _state_loss(out, y: torch.Tensor) -> torch.Tensor:
+    pred, early, bias, scale = out
+    return F.mse_loss(pred, y) + early.pow(2).sum() + 0.1 * bias.sum() + scale.sum()
+
+
+@pytest.mark.parametrize("num_mb", [1, 3])
+def test_a_parameter_or_buffer_returned_itself_is_an_output(num_mb: int) -> None:
+    """A model output that is a parameter or buffer itself (no op between) was produced
+    by no program: forward_backward failed with 'p_head_bias was not produced before it
+    was needed', pipe(x) with a bare KeyError.  Its gradient reaches the parameter."""
+    torch.manual_seed(0)
+    model = ReturnsState().double()
+    x = torch.randn(6, W, dtype=torch.double)
+    y = torch.randn(6, 2, dtype=torch.double)
+    eager = copy.deepcopy(model)
+    ref = reference.eager_forward_backward(eager, (x,), {}, y, _state_loss, num_mb)
+    for devices in (1, 3):
+        with _pipe(copy.deepcopy(model), devices, num_mb) as pipe:
+            loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=_state_loss)
+            torch.testing.assert_close(loss, ref, rtol=0, atol=1e-12)
+            for p, q in zip(pipe.optim_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+            with torch.no_grad():
+                out, want = pipe(x), model(x)
+            for o, w in zip(out, want):
+                torch.testing.assert_close(o, w, rtol=0, atol=1e-12)

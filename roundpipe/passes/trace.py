@@ -52,7 +52,7 @@ from .custom_backward import CustomBackwardFunction, refuse_custom_backward
 from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
-from .mode_regions import (export_keeps_mode_calls, fx_records_grad_mode,
+from .mode_regions import (MODES, export_keeps_mode_calls, fx_records_grad_mode,
                            inference_mode_as_no_grad, inline_mode_regions, mark_mode_regions)
 from .shared_blocks import (SharingFailed, add_hidden_state, repeated_groups, shared_blocks,
                             splice_blocks)
@@ -455,6 +455,11 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             written = sorted(v.name for v in node.args[1].values() if v.name in buffer_slots)
             if written:
                 node.meta[MUTATES] = tuple(written)
+    copies = _copy_state_outputs(
+        graph, [i for i, spec in enumerate(sig.output_specs)
+                if spec.kind == OutputKind.USER_OUTPUT],
+        {s.name for s in state}, torch.ops.aten.clone.default)
+    outputs = [OutputRef(copies.get(o.value, o.value), o.constant) for o in outputs]
     gm.recompile()
 
     flat_inputs, in_spec = pytree.tree_flatten((args, kwargs))
@@ -669,6 +674,45 @@ def _dim_signature(dim: Any, ranges: dict[Any, Any], leading: bool) -> Any:
         # program.  Elsewhere a size of 1 may have been traced past (`if T > 1`).
         low = 0
     return None if low == 0 and high is None else (low, high)
+
+
+def _copy_state_outputs(graph: torch.fx.Graph, positions: list[int], state: set[str],
+                        clone: Callable[..., Any]) -> dict[str, str]:
+    """A model output that is a parameter or buffer itself (``return y, self.head.bias``)
+    becomes a copy made in the unit that last reads it (or the last unit): no program
+    produced that value, and the call failed (``KeyError`` / 'not produced before it was
+    needed').  The copy is differentiable, so a loss reading the output reaches the
+    parameter's gradient as in eager.  Returns {old output value: its copy}."""
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    flat = list(out_node.args[0])
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i in positions:
+        value = flat[i]
+        if not (isinstance(value, torch.fx.Node) and value.op == "placeholder"
+                and value.name in state):
+            continue
+        if value not in copies:
+            readers = [n for n in value.users if n.op != "output"]
+            last = max(readers, key=_node_order(graph)) if readers else out_node.prev
+            with graph.inserting_after(last):
+                copy = graph.call_function(clone, (value,))
+            if readers:
+                for key in ("nn_module_stack", "stack_trace", MODULE_PATH, MODES):
+                    if key in last.meta:
+                        copy.meta[key] = last.meta[key]
+            for key in ("val", "tensor_meta"):
+                if key in value.meta:
+                    copy.meta[key] = value.meta[key]
+            copies[value] = copy
+        flat[i] = copies[value]
+    if copies:
+        out_node.args = (type(out_node.args[0])(flat),) + tuple(out_node.args[1:])
+    return {old.name: new.name for old, new in copies.items()}
+
+
+def _node_order(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], int]:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
 
 
 def _module_path(node: torch.fx.Node) -> str:
