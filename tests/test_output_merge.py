@@ -280,13 +280,39 @@ TRICKY: dict[str, Callable[[torch.Tensor], Any]] = {
     "cdist_columns": lambda h: torch.cdist(_TABLE[:5], h),
     "cdist_between_samples": lambda h: torch.cdist(h, h),
     "polar": lambda h: torch.view_as_real(torch.polar(h.abs(), h)),
+    "glu_features": lambda h: F.glu(h, 1),
+    "glu_batch": lambda h: F.glu(h[:6], 0),
+    "rfft_features": lambda h: torch.fft.rfft(h, dim=1).abs(),
+    "fft_batch": lambda h: torch.fft.fft(h, dim=0).abs(),
+    "diff_features": lambda h: torch.diff(h, dim=1),
+    "diff_batch": lambda h: torch.diff(h, dim=0),
+    "one_hot_sized": lambda h: F.one_hot(h.argmax(1), 4).to(h.dtype),
+    "one_hot_by_batch_max": lambda h: F.one_hot(h.argmax(1)).to(h.dtype),
+    "repeat_features": lambda h: h.repeat(2, 1, 3)[0],
+    "repeat_batch": lambda h: h.repeat(2, 1),
+    "tile_features": lambda h: torch.tile(h, (1, 2)),
+    "movedim": lambda h: torch.movedim(h.unsqueeze(1).expand(-1, 3, -1), 0, 2),
+    "renorm_samples": lambda h: torch.renorm(h, 2, 0, 0.5),
+    "renorm_features": lambda h: torch.renorm(h, 2, 1, 0.5),
+    "unfold_features": lambda h: h.unfold(1, 2, 1),
+    "index_fill_features": lambda h: h.index_fill(1, torch.tensor([0, 2]), -1.0),
+    "index_fill_batch": lambda h: h.index_fill(0, torch.tensor([0]), -1.0),
+    "normalize": lambda h: F.normalize(h, dim=1),
+    "log_sigmoid": lambda h: F.logsigmoid(h),
+    "bucketize": lambda h: torch.bucketize(h, _TABLE[0].sort().values).to(h.dtype),
+    "aminmax_features": lambda h: torch.aminmax(h, dim=1).min,
+    "max_pool_indices": lambda h: F.max_pool1d(h.unsqueeze(1), 2, return_indices=True)[1]
+        .to(h.dtype),
 }
 
 # Per-sample scatters that must merge (top-k routing in mixture-of-experts layers).
 MERGEABLE = {"scatter_topk_features", "scatter_add_own_index", "scatter_reduce_own_index",
              "scatter_value", "scatter_batch_sized_index", "einsum_rows", "einsum_implicit",
              "einsum_ellipsis", "einsum_batch_moved", "einsum_pairs_own_rows", "cdist_rows",
-             "cdist_columns", "polar"}
+             "cdist_columns", "polar", "glu_features", "rfft_features", "diff_features",
+             "one_hot_sized", "repeat_features", "tile_features",
+             "movedim", "renorm_samples", "unfold_features", "index_fill_features",
+             "normalize", "log_sigmoid", "bucketize", "aminmax_features", "max_pool_indices"}
 
 
 @pytest.mark.parametrize("name", sorted(TRICKY))
@@ -400,3 +426,38 @@ def test_ops_on_the_weights_of_a_repeated_blocks_copies_merge_by_their_shapes() 
                 traced.state_tensors[node.name].shape), node.name
     for devices, num_mb in ((1, 3), (2, 3)):
         _check(copy.deepcopy(model), x, devices, num_mb)
+
+
+class _ThenScale(nn.Module):
+    """The op under test, then a trainable scale: a value that mixes samples can no
+    longer be recomputed after the pipeline, so the call merges or refuses."""
+
+    def __init__(self, op: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.inner = Reducing(op)
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.double))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
+@pytest.mark.parametrize("name", sorted(TRICKY))
+def test_an_op_before_trainable_weights_merges_exactly_or_refuses(name: str) -> None:
+    """What the merge pass claims about an op is checked by the result: a claimed
+    per-sample value is concatenated, and must equal eager's; a mix is refused."""
+    torch.manual_seed(0)
+    model = _ThenScale(TRICKY[name]).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(7, 4, dtype=torch.double)
+    with RoundPipe(model, devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        try:
+            with torch.no_grad():
+                out = pipe(x)
+        except MergeError:
+            assert name not in MERGEABLE, name
+            return
+        with torch.no_grad():
+            ref = eager(x)
+        assert out.shape == ref.shape, name
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12, msg=name)

@@ -553,7 +553,13 @@ def _squeeze(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 def _expand(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     if states.get(node.args[0], R) == R:  # expanded to the batch size: the same rows
         return _sized_factory(node, states, batch)
-    x, d = _single(node, states)
+    if _name(node) == "expand_as":  # the second tensor gives only its shape
+        x = node.args[0]
+        if states[x][0] != "B":
+            raise _Mixing(f"{_where(node)} expands the batch size or the sample numbers")
+        d = states[x][1]
+    else:
+        x, d = _single(node, states)
     out = _shape(node)
     d2 = d + len(out) - _ndim(x)
     if not batch.same(out[d2], _shape(x)[d]):
@@ -648,6 +654,67 @@ def _along(name: str = "dim") -> Callable[..., tuple]:
             return ("list", (states[x],) * len(node.meta["val"]))
         return states[x]
     return handler
+
+
+def _along_one(name: str) -> Callable[..., tuple]:
+    """Ops that treat each slice along dimension ``name`` on its own (``renorm``): per
+    sample only when that dimension is the batch's."""
+    def handler(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+        x, d = _single(node, states)
+        if x is not node.args[0] or _norm(int(_named(node, name)), _ndim(x)) != d:
+            raise _Mixing(f"{_where(node)} computes across the batch dimension")
+        return states[x]
+    return handler
+
+
+def _one_hot(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """A class dimension is appended; without ``num_classes`` its size is the batch's
+    largest label."""
+    x, _ = _single(node, states)
+    if int(_named(node, "num_classes", -1)) < 0:
+        raise _Mixing(f"{_where(node)} sizes its classes by the whole batch's largest "
+                      "label (pass num_classes)")
+    return states[x]
+
+
+def _repeat(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """``repeat``/``tile``: per sample when the batch dimension is repeated once."""
+    x, d = _single(node, states)
+    if x is not node.args[0]:
+        raise _Mixing(f"{_where(node)} repeats by batch values")
+    reps = [int(r) if isinstance(r, int) else r for r in node.args[1]]
+    nd = _ndim(x)
+    if _name(node) == "tile" and len(reps) < nd:
+        reps = [1] * (nd - len(reps)) + reps
+    out = d + len(reps) - nd
+    if out < 0 or not _eq(reps[out], 1):
+        raise _Mixing(f"{_where(node)} repeats the batch dimension")
+    return _kind(states[x], out)
+
+
+def _movedim(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    nd = _ndim(x)
+    # where dimension d lands: move a tensor whose sizes name the dimensions
+    probe = torch.empty([2 + i for i in range(nd)], device="meta")
+    moved = torch.movedim(probe, node.args[1], node.args[2]).shape
+    return _kind(states[x], list(moved).index(2 + d))
+
+
+def _index_fill(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    x, d = _single(node, states)
+    if x is not node.args[0] or _norm(int(node.args[1]), _ndim(x)) == d:
+        raise _Mixing(f"{_where(node)} fills along the batch dimension")
+    return states[x]
+
+
+def _tensor_unfold(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """``Tensor.unfold(dimension, size, step)``: windows along one dimension, in a new
+    last one; the other dimensions keep their places."""
+    x, d = _single(node, states)
+    if x is not node.args[0] or _norm(int(node.args[1]), _ndim(x)) == d:
+        raise _Mixing(f"{_where(node)} slides windows along the batch dimension")
+    return states[x]
 
 
 def _last_two(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
@@ -1125,7 +1192,7 @@ _HANDLERS: dict[str, Callable[[torch.fx.Node, dict, Any], tuple]] = {
         "convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
         "conv_transpose3d", "_convolution", "max_pool1d", "max_pool2d", "max_pool3d",
         "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d",
-        "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+        "avg_pool3d", "max_pool1d_with_indices", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
         "_adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d",
         "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
         "upsample_bilinear2d", "upsample_bicubic2d", "upsample_linear1d", "_upsample_nearest_exact2d",
@@ -1138,6 +1205,12 @@ _HANDLERS: dict[str, Callable[[torch.fx.Node, dict, Any], tuple]] = {
     **{n: _matmul for n in ("matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm")},
     "embedding": _embedding,
     "einsum": _einsum, "cdist": _cdist, "_cdist_forward": _cdist,
+    **{n: _along() for n in ("glu", "cross", "linalg_cross", "diff", "fft_fft", "fft_ifft",
+                             "fft_rfft", "fft_irfft", "fft_hfft", "fft_ihfft")},
+    "renorm": _along_one("dim"), "one_hot": _one_hot, "repeat": _repeat, "tile": _repeat,
+    "movedim": _movedim, "moveaxis": _movedim, "index_fill": _index_fill,
+    "unfold": _tensor_unfold, "aminmax": _reduction,
+    **{n: _same for n in ("log_sigmoid", "bucketize")},
     # elementwise with broadcasting, though not tagged pointwise
     **{n: _elementwise for n in ("polar", "complex", "lerp", "copysign", "xlogy",
                                  "hardswish", "pow", "float_power", "fmod", "remainder")},
