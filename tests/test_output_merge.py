@@ -16,6 +16,8 @@ import json
 from typing import Any, Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -461,3 +463,51 @@ def test_an_op_before_trainable_weights_merges_exactly_or_refuses(name: str) -> 
             ref = eager(x)
         assert out.shape == ref.shape, name
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class _Einsum(nn.Module):
+    def __init__(self, perm: list[int], equation: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.double))
+        self.perm, self.equation = perm, equation
+        sizes = {"i": 2, "j": 2, "k": 3}  # the replicated operand's letters
+        self.register_buffer("rep", torch.randn([sizes[c] for c in
+                                                 equation.split(",")[1].split("-")[0]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x)).reshape(x.shape[0], 2, 2).permute(self.perm)
+        return torch.einsum(self.equation, h, self.rep) * self.scale
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@given(perm=st.permutations([0, 1, 2]), rep=st.permutations("ijk"),
+       rep_len=st.integers(1, 3), out=st.permutations("bijk"), out_len=st.integers(0, 4))
+def test_einsum_merges_exactly_when_each_sample_keeps_its_own_letter(perm, rep, rep_len,
+                                                                      out, out_len):
+    """Random equations over a batch operand (the batch's letter b anywhere) and a
+    replicated one: pipe(x) equals eager and merges whenever b is kept in the output;
+    otherwise it refuses."""
+    letters = "bij"
+    batch_term = "".join(letters[p] for p in perm)
+    rep_term = "".join(rep[:rep_len])
+    used = set(batch_term) | set(rep_term)
+    out_term = "".join(c for c in out[:out_len] if c in used)
+    equation = f"{batch_term},{rep_term}->{out_term}"
+    torch.manual_seed(0)
+    model = _Einsum(list(perm), equation).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(7, 4, dtype=torch.double)
+    with RoundPipe(model, devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        try:
+            with torch.no_grad():
+                got = pipe(x)
+        except MergeError:
+            assert pipe.plan.program.trace_method == "export"
+            assert "b" not in out_term, equation
+            return
+        with torch.no_grad():
+            want = eager(x)
+        assert got.shape == want.shape, equation
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=equation)
