@@ -36,7 +36,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 from ..ops.modcall import call_module_functional, tensor_leaves
 
 LEAF_PREFIX = "_leaf_"
@@ -157,14 +157,49 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
     """
     calls: dict[str, list[_Site]] = {p: [] for p in leaves}
     handles = []
+    state = _model_state(model)
+    before: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
     for path in leaves:
+        own = {id(t) for _, t in _model_state(model.get_submodule(path))}
+        outside = [(n, t) for n, t in state if id(t) not in own]
+        # its own plain tensor attributes travel as constants, never written back
+        outside += [(f"{path}.{n}", t) for n, t in tensor_attributes(model.get_submodule(path))]
+
+        def pre_hook(module: torch.nn.Module, inputs: Any, path: str = path,
+                     outside: list[tuple[str, torch.Tensor]] = outside) -> None:
+            before[path] = [(n, t, _version(t)) for n, t in outside]
+
         def hook(module: torch.nn.Module, inputs: Any, output: Any, path: str = path) -> None:
+            written = [n for n, t, version in before.pop(path, ()) if _version(t) != version]
+            if written:
+                if written[0].startswith(path + "."):
+                    raise ModelError(
+                        f"the opaque (leaf) module {path} writes its tensor attribute "
+                        f"{written[0]} in place; it is neither a parameter nor a buffer, "
+                        "so roundpipe passes it as a constant and the write would be lost "
+                        "(eager PyTorch keeps it). Register it as a buffer, whose writes "
+                        "are carried (register_buffer(name, tensor, persistent=False))")
+                raise ModelError(
+                    f"the opaque (leaf) module {path} writes {written[0]} in place, which "
+                    f"is not its own state ({type(model).__name__}'s, outside {path}); "
+                    "roundpipe runs a leaf on a copy holding its own parameters and "
+                    "buffers only, so that write would reach the host tensor directly, "
+                    "from the device's thread, once per microbatch and again in "
+                    "recompute. Register that state on the leaf module, pass it as an "
+                    "argument and write it outside the leaf, or let the module be traced "
+                    "(not a leaf)")
             flat, spec = pytree.tree_flatten(output)
             leaves_meta = [_TensorMeta(tuple(x.shape), x.stride(), x.dtype, x.device)
                            if isinstance(x, torch.Tensor) else x for x in flat]
             calls[path].append(_Site(path, spec, leaves_meta))
-        handles.append(model.get_submodule(path).register_forward_hook(hook))
-    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+        module = model.get_submodule(path)
+        handles.append(module.register_forward_pre_hook(pre_hook))
+        handles.append(module.register_forward_hook(hook))
+    # buffers and plain tensor attributes (a refused write must leave no trace either)
+    def kept() -> list[tuple[str, torch.Tensor]]:
+        return list(model.named_buffers()) + tensor_attributes(model)
+
+    saved = {n: t.detach().clone() for n, t in kept()}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(*args, **kwargs)
@@ -172,9 +207,24 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
         for h in handles:
             h.remove()
         with torch.no_grad():
-            for n, b in model.named_buffers():
-                b.copy_(saved[n])
+            for n, t in kept():
+                if n in saved and saved[n].shape == t.shape:
+                    t.copy_(saved[n])
     return calls
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+def _model_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter, buffer and plain tensor attribute of ``module``'s tree."""
+    found = list(module.named_parameters(remove_duplicate=False))
+    found += list(module.named_buffers(remove_duplicate=False))
+    return found + tensor_attributes(module)
 
 
 @contextlib.contextmanager

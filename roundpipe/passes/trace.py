@@ -444,6 +444,9 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             node.meta[MODULE_PATH] = _module_path(node)
     buffer_slots = {s.name for s in state if s.kind == "buffer"}
     _mark_state_mutations(graph, buffer_slots)
+    _refuse_input_writes(model, graph, {n.name for n in user_inputs}, _written_roots)
+    _refuse_constant_writes(model, graph, {s.name: s.fqn for s in state
+                                           if s.kind == "constant"}, _written_roots)
     _refuse_parameter_writes(model, graph, {s.name: s.fqn for s in state
                                             if s.kind == "parameter"})
     _refuse_sparse_ops(model, graph, {s.name: s.fqn for s in state
@@ -455,6 +458,11 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             written = sorted(v.name for v in node.args[1].values() if v.name in buffer_slots)
             if written:
                 node.meta[MUTATES] = tuple(written)
+    user_positions = [i for i, spec in enumerate(sig.output_specs)
+                      if spec.kind == OutputKind.USER_OUTPUT]
+    snapshots = _snapshot_written_state_outputs(graph, user_positions,
+                                                torch.ops.aten.clone.default)
+    outputs = [OutputRef(snapshots.get(o.value, o.value), o.constant) for o in outputs]
     copies = _copy_state_outputs(
         graph, [i for i, spec in enumerate(sig.output_specs)
                 if spec.kind == OutputKind.USER_OUTPUT],
@@ -772,6 +780,117 @@ def _mark_state_mutations(graph: torch.fx.Graph, buffers: set[str]) -> None:
             node.meta[MUTATES] = mutated
 
 
+def _any_alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow aliases back to the base value in either IR (ATen schemas, torch-level)."""
+    from .dynamo import alias_root as torch_alias_root  # avoids a cycle
+    while True:
+        root = torch_alias_root(alias_root(node))
+        if root is node:
+            return node
+        node = root
+
+
+def _snapshot_written_state_outputs(graph: torch.fx.Graph, positions: list[int],
+                                    clone: Callable[..., Any]) -> dict[str, str]:
+    """A model output that is (a view of) a buffer the forward writes (``return y,
+    self.counter``) is a copy taken where eager's would be read: after the last node
+    that touches that buffer.  Left an alias, it showed the buffer as the later
+    microbatches left it by the time the loss (or the caller) read it, since a pipeline
+    runs a job's units on every microbatch before the next job: a wrong loss.  The
+    buffer's writes and reads all lie in one unit (``layers`` merges them), so the copy
+    is made in that unit.  Returns {old output value: its copy}."""
+    written = {m for node in graph.nodes for m in node.meta.get(MUTATES, ())}
+    if not written:
+        return {}
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    flat = list(out_node.args[0])
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i in positions:
+        value = flat[i]
+        if not isinstance(value, torch.fx.Node):
+            continue
+        root = _any_alias_root(value)
+        if root.op != "placeholder" or root.name not in written:
+            continue
+        if value not in copies:
+            last = value
+            for node in graph.nodes:
+                if node.op in ("placeholder", "output"):
+                    continue
+                if root.name in node.meta.get(MUTATES, ()) or any(
+                        _any_alias_root(a) is root for a in node.all_input_nodes):
+                    last = node
+            with graph.inserting_after(last):
+                copy = graph.call_function(clone, (value,))
+            for key in ("nn_module_stack", "stack_trace", MODULE_PATH, MODES):
+                if key in last.meta:
+                    copy.meta[key] = last.meta[key]
+            for key in ("val", "tensor_meta"):
+                if key in value.meta:
+                    copy.meta[key] = value.meta[key]
+            copies[value] = copy
+        flat[i] = copies[value]
+    if copies:
+        out_node.args = (type(out_node.args[0])(flat),) + tuple(out_node.args[1:])
+    return {v.name: c.name for v, c in copies.items()}
+
+
+def _torch_level_written_roots(node: torch.fx.Node) -> set[str]:
+    """``_written_roots`` for torch-level graphs (torch.fx: ``x.mul_`` is a method call)."""
+    from .dynamo import alias_root as torch_alias_root, written_values  # avoids a cycle
+    if node.target is call_module_functional:
+        return set()
+    return {torch_alias_root(w).name for w in written_values(node)}
+
+
+def _refuse_input_writes(model: torch.nn.Module, graph: torch.fx.Graph, inputs: set[str],
+                         written_roots: Callable[[torch.fx.Node], set[str]]) -> None:
+    """An in-place write to a tensor passed to forward (``x.mul_(2)``, ``mask[:, 0] = 1``)
+    reached only the device's copy of the microbatch: eager PyTorch writes the caller's
+    tensor, and a tensor passed whole to every microbatch is seen written by the
+    microbatches after the first, where each got the unwritten copy (a wrong loss).
+    Refused."""
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        hit = sorted(r for r in written_roots(node) if r in inputs)
+        if hit:
+            where = node.meta.get(MODULE_PATH) or _module_path(node) or \
+                "the top-level forward"
+            raise ModelError(
+                f"{type(model).__name__}'s forward writes its input {hit[0]!r} in place "
+                f"({node.target} in {where}); roundpipe runs each microbatch on a copy of "
+                "its inputs, so the write would not reach your tensor, and an input "
+                "passed whole to every microbatch would not show one microbatch's write "
+                "to the next as eager PyTorch does. Write to a copy instead "
+                f"({hit[0]} = {hit[0]}.clone() before the write) or compute a new tensor "
+                "(an out-of-place op)")
+
+
+def _refuse_constant_writes(model: torch.nn.Module, graph: torch.fx.Graph,
+                            constants: dict[str, str],
+                            written_roots: Callable[[torch.fx.Node], set[str]]) -> None:
+    """A plain tensor attribute (``self.stats = torch.zeros(8)``, neither a parameter nor
+    a buffer) written in place in forward: it travels as a constant, whose device copies
+    are never written back, so the write was dropped and later calls read the stale
+    value.  Refused (a buffer's writes are carried)."""
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        hit = sorted(constants[r] for r in written_roots(node) if r in constants)
+        if hit:
+            where = node.meta.get(MODULE_PATH) or _module_path(node) or \
+                "the top-level forward"
+            owner, _, attr = hit[0].rpartition(".")
+            raise ModelError(
+                f"{type(model).__name__}'s forward writes the tensor attribute {hit[0]} in "
+                f"place ({node.target} in {where}); it is neither a parameter nor a "
+                "buffer, so roundpipe passes it as a constant and the write would be lost "
+                "(eager PyTorch keeps it). Register it as a buffer, whose writes are "
+                f"carried: {owner or 'self'}.register_buffer({attr!r}, tensor, "
+                "persistent=False)")
+
+
 def _refuse_parameter_writes(model: torch.nn.Module, graph: torch.fx.Graph,
                              params: dict[str, str]) -> None:
     """A parameter written in place by the forward (``nn.Embedding(max_norm=...)``'s
@@ -943,13 +1062,21 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         if node.op in ("call_function", "call_method") and MODULE_PATH not in node.meta:
             node.meta[MODULE_PATH] = _module_path(node)
     _mark_torch_level_buffer_writes(graph, {s.name for s in state if s.kind == "buffer"})
+    _refuse_input_writes(model, graph, {n.name for n in graph.nodes if n.op == "placeholder"
+                                        and n not in slot_of_tensor.values()},
+                         _torch_level_written_roots)
+    _refuse_constant_writes(model, graph, {s.name: s.fqn for s in state
+                                           if s.kind == "constant"},
+                            _torch_level_written_roots)
 
     # Flat outputs from the returned structure.
     out_node = next(n for n in graph.nodes if n.op == "output")
     flat_out, out_spec = pytree.tree_flatten(out_node.args[0])
+    out_node.args = (tuple(flat_out),)
+    _snapshot_written_state_outputs(graph, list(range(len(flat_out))), torch.clone)
+    flat_out = list(out_node.args[0])
     outputs = tuple(OutputRef(v.name) if isinstance(v, torch.fx.Node) else OutputRef(None, v)
                     for v in flat_out)
-    out_node.args = (tuple(flat_out),)
     gm.recompile()
 
     input_nodes = [n for n in graph.nodes if n.op == "placeholder"
