@@ -120,3 +120,32 @@ def test_a_parameter_or_buffer_returned_itself_is_an_output(num_mb: int) -> None
                 out, want = pipe(x), model(x)
             for o, w in zip(out, want):
                 torch.testing.assert_close(o, w, rtol=0, atol=1e-12)
+
+
+class ReadsInputStrides(nn.Module):
+    """An output read through the input's strides (``as_strided``), which mixes samples as
+    far as the merge can tell: the output tail recomputes it on the merged input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(W, W) for _ in range(3))
+
+    def forward(self, x: torch.Tensor):
+        h = x
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return h, x.as_strided((x.shape[0], 2), (x.stride(0), x.stride(2)))
+
+
+def test_a_merged_input_keeps_the_layout_eager_sees() -> None:
+    """The input's batch dimension is not its outermost (a transposed tensor): the tail
+    read the input concatenated contiguously from the microbatches, and as_strided picked
+    other elements than eager's (4.6 off). Concatenation now keeps the pieces' order."""
+    torch.manual_seed(0)
+    model = ReadsInputStrides().double()
+    x = torch.randn(5, 6, W, dtype=torch.double).transpose(0, 1)
+    with _pipe(model, 2, 3) as pipe, torch.no_grad():
+        out, want = pipe(x), model(x)
+    for o, w in zip(out, want):
+        torch.testing.assert_close(o, w, rtol=0, atol=1e-12)
+        assert o.stride() == w.stride()

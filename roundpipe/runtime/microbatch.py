@@ -204,7 +204,27 @@ def merge_column(values: Sequence[Any], rule: Any, sizes: Sequence[int] = ()) ->
         return total
     if rule == "stack":
         return torch.stack(values)
-    return torch.cat(values, dim=rule)
+    return _cat_keeping_layout(values, rule)
+
+
+def _cat_keeping_layout(values: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat`` whose result has the dimension order of the pieces' layout, as
+    eager's whole-batch value has: a microbatch of a permuted or transposed value
+    (batch not outermost) concatenated contiguously had other strides than eager's, and
+    stride-reading code after the merge (an output tail's ``as_strided``) read other
+    elements.  Contiguous and channels-last pieces are concatenated as before."""
+    first = values[0]
+    if not isinstance(first, torch.Tensor) or first.dim() < 2 or first.is_contiguous():
+        return torch.cat(values, dim=dim)
+    strides = torch.empty_like(first, device="meta").stride()
+    order = sorted(range(first.dim()), key=lambda d: (-strides[d], d))
+    if order == list(range(first.dim())) or any(
+            not isinstance(v, torch.Tensor) or v.dim() != first.dim() for v in values):
+        return torch.cat(values, dim=dim)
+    dim = dim % first.dim()
+    merged = torch.cat([v.permute(order) for v in values], dim=order.index(dim))
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return merged.permute(inverse)
 
 
 def split_grad(grad: torch.Tensor, rule: Any, pieces: Sequence[Any],
