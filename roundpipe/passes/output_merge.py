@@ -407,6 +407,8 @@ def _same(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     others = [states.get(a, R) for a in node.all_input_nodes if a is not node.args[0]]
     if any(o != R for o in others):
         return _elementwise(node, states, batch)
+    if s[0] == "I" and (_name(node) not in _KEEPS_VALUES or others):
+        raise _Mixing(f"{_where(node)} computes with the sample numbers")
     if isinstance(node.meta.get("val"), (tuple, list)):  # native_dropout: (out, mask)
         return ("list", (s,) * len(node.meta["val"]))
     return s
@@ -436,7 +438,7 @@ def _elementwise(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
             if 0 <= pos < len(shape) and not _eq(shape[pos], 1):
                 raise _Mixing(f"{_where(node)} combines samples with a replicated "
                               "tensor as long as the batch")
-    for a in node.args[1:]:
+    for a in (*node.args, *node.kwargs.values()):
         if isinstance(a, torch.fx.Node) and states.get(a, R) == S:
             raise _Mixing(f"{_where(node)} computes with the batch size")
     return _b(d, m, k)
@@ -465,18 +467,24 @@ def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
-def _single(node: torch.fx.Node, states: dict) -> tuple[torch.fx.Node, int]:
+def _single(node: torch.fx.Node, states: dict,
+            moves: bool = False) -> tuple[torch.fx.Node, int]:
     """The op's one batch tensor argument and its batch dimension; the other tensor
-    arguments must be replicated."""
+    arguments must be replicated.  The sample numbers (``I``) are accepted only by ops
+    that move elements without changing them (``moves``): any other op's result holds
+    other values (``one_hot``, ``diff``, ``pad``'s zeros), which must not index as
+    sample numbers."""
     batched = [a for a in node.all_input_nodes
                if states.get(a, R) != R and isinstance(a.meta.get("val"), torch.Tensor)]
-    if len(batched) != 1 or states[batched[0]][0] not in ("B", "I"):
-        raise _Mixing(f"{_where(node)} reads several batch values")
+    if len(batched) != 1 or states[batched[0]][0] not in (("B", "I") if moves else ("B",)):
+        raise _Mixing(f"{_where(node)} reads several batch values" if len(batched) != 1
+                      or states[batched[0]][0] != "I" else
+                      f"{_where(node)} computes with the sample numbers")
     return batched[0], states[batched[0]][1]
 
 
 def _reshape(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     if x is not node.args[0]:
         raise _Mixing(f"{_where(node)} takes its shape from a batch value")
     sizes = [s for s in node.args[1:2] if isinstance(s, (list, tuple))]
@@ -514,13 +522,13 @@ def _prod(sizes: Sequence[Any]) -> Any:
 
 
 def _permute(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     dims = [_norm(int(i), _ndim(x)) for i in node.args[1]]
     return _kind(states[x], dims.index(d))
 
 
 def _transpose(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     nd = _ndim(x)
     if _name(node) in ("t", "numpy_T"):
         a, b = 0, nd - 1
@@ -530,13 +538,13 @@ def _transpose(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 
 
 def _unsqueeze(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     dim = _norm(int(node.args[1]), _ndim(x) + 1)
     return _kind(states[x], d + 1 if dim <= d else d)
 
 
 def _squeeze(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     nd = _ndim(x)
     shape = _shape(x)
     dims = node.args[1] if len(node.args) > 1 else None
@@ -559,16 +567,20 @@ def _expand(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
             raise _Mixing(f"{_where(node)} expands the batch size or the sample numbers")
         d = states[x][1]
     else:
-        x, d = _single(node, states)
+        x, d = _single(node, states, moves=True)
     out = _shape(node)
     d2 = d + len(out) - _ndim(x)
     if not batch.same(out[d2], _shape(x)[d]):
         raise _Mixing(f"{_where(node)} expands the batch dimension")
+    sizes = node.args[1] if _name(node) == "expand" and len(node.args) > 1 else ()
+    if any(isinstance(s, torch.fx.Node) and states.get(s, R) != R
+           for j, s in enumerate(sizes) if j != d2):
+        raise _Mixing(f"{_where(node)} expands to the batch size in another dimension")
     return _kind(states[x], d2)
 
 
 def _slice(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     dim = _norm(int(_arg(node, 1, "dim", 0)), _ndim(x))
     if dim != d:
         return _kind(states[x], d)
@@ -582,7 +594,7 @@ def _slice(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 
 
 def _select(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     dim = _norm(int(node.args[1]), _ndim(x))
     if dim == d:
         raise _Mixing(f"{_where(node)} picks one sample")
@@ -590,7 +602,7 @@ def _select(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 
 
 def _split(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     name = _name(node)
     nd = _ndim(x)
     dim = _norm(int(_arg(node, 2 if name != "unbind" else 1, "dim",
@@ -679,10 +691,12 @@ def _one_hot(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 
 def _repeat(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     """``repeat``/``tile``: per sample when the batch dimension is repeated once."""
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     if x is not node.args[0]:
         raise _Mixing(f"{_where(node)} repeats by batch values")
     reps = [int(r) if isinstance(r, int) else r for r in node.args[1]]
+    if any(not isinstance(r, int) and states.get(r, R) != R for r in reps):
+        raise _Mixing(f"{_where(node)} repeats by the batch size")
     nd = _ndim(x)
     if _name(node) == "tile" and len(reps) < nd:
         reps = [1] * (nd - len(reps)) + reps
@@ -693,7 +707,7 @@ def _repeat(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 
 
 def _movedim(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     nd = _ndim(x)
     # where dimension d lands: move a tensor whose sizes name the dimensions
     probe = torch.empty([2 + i for i in range(nd)], device="meta")
@@ -711,9 +725,18 @@ def _index_fill(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 def _tensor_unfold(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     """``Tensor.unfold(dimension, size, step)``: windows along one dimension, in a new
     last one; the other dimensions keep their places."""
-    x, d = _single(node, states)
+    x, d = _single(node, states, moves=True)
     if x is not node.args[0] or _norm(int(node.args[1]), _ndim(x)) == d:
         raise _Mixing(f"{_where(node)} slides windows along the batch dimension")
+    return states[x]
+
+
+def _lookup(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
+    """``bucketize(x, boundaries)``: every value is placed among all the boundaries, so
+    they must be replicated."""
+    x, _ = _single(node, states)
+    if x is not node.args[0]:
+        raise _Mixing(f"{_where(node)} looks values up among batch boundaries")
     return states[x]
 
 
@@ -1161,6 +1184,11 @@ _SAME = ["clone", "contiguous", "detach", "alias", "_to_copy", "to", "type_as",
          "resolve_conj", "resolve_neg", "_conj", "fill", "zero", "normal", "uniform",
          "exponential", "random", "cauchy", "geometric", "log_normal"]
 
+# copies that keep the values (the sample numbers stay sample numbers)
+_KEEPS_VALUES = {"clone", "contiguous", "detach", "alias", "_to_copy", "to", "type_as",
+                 "lift_fresh_copy", "_assert_tensor_metadata", "_to_dtype", "resolve_conj",
+                 "resolve_neg"}
+
 _HANDLERS: dict[str, Callable[[torch.fx.Node, dict, Any], tuple]] = {
     **{n: _same for n in _SAME},
     **{n: _reshape for n in ("view", "_unsafe_view", "reshape", "view_copy",
@@ -1210,7 +1238,7 @@ _HANDLERS: dict[str, Callable[[torch.fx.Node, dict, Any], tuple]] = {
     "renorm": _along_one("dim"), "one_hot": _one_hot, "repeat": _repeat, "tile": _repeat,
     "movedim": _movedim, "moveaxis": _movedim, "index_fill": _index_fill,
     "unfold": _tensor_unfold, "aminmax": _reduction,
-    **{n: _same for n in ("log_sigmoid", "bucketize")},
+    "log_sigmoid": _same, "bucketize": _lookup,
     # elementwise with broadcasting, though not tagged pointwise
     **{n: _elementwise for n in ("polar", "complex", "lerp", "copysign", "xlogy",
                                  "hardswish", "pow", "float_power", "fmod", "remainder")},
