@@ -149,3 +149,26 @@ def test_a_merged_input_keeps_the_layout_eager_sees() -> None:
     for o, w in zip(out, want):
         torch.testing.assert_close(o, w, rtol=0, atol=1e-12)
         assert o.stride() == w.stride()
+
+
+class _Plain:
+    def __init__(self, pred: torch.Tensor) -> None:
+        self.pred = pred
+
+
+class PlainObjectOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, 2)
+
+    def forward(self, x: torch.Tensor) -> _Plain:
+        return _Plain(self.lin(x))
+
+
+def test_an_output_of_an_unknown_class_says_how_to_register_it() -> None:
+    """The ways out spoke of data-dependent control flow and leaf modules only."""
+    from roundpipe.errors import TraceError
+    with _pipe(PlainObjectOut().double(), 1, 1) as pipe:
+        with pytest.raises(TraceError, match=r"(?s)output holds a .*_Plain object.*"
+                           r"register_pytree_node.*make it a dataclass"):
+            pipe(torch.randn(4, W, dtype=torch.double))

@@ -1185,6 +1185,21 @@ def _describe(e: BaseException) -> str:
     return _first_line(e) + (f" (at {where})" if where else "")
 
 
+_UNKNOWN_PYTREE = re.compile(r"Found <class '([^']+)'> in (output|input)")
+
+
+def _unknown_pytree_type(attempts: list[tuple[str, BaseException]]) -> tuple[str, str] | None:
+    """(class name, 'output'/'input') when export failed on an object of a class
+    pytree does not know (``return MyOutput(logits)``): the ways out must say how to
+    register it, not only speak of control flow and leaf modules."""
+    for _, e in attempts:
+        for exc in _exception_chain(e):
+            found = _UNKNOWN_PYTREE.search(str(exc))
+            if found:
+                return found.group(1), "model " + found.group(2)
+    return None
+
+
 def _trace_failure_message(model: torch.nn.Module, attempts: list[tuple[str, BaseException]],
                            blamed: str | None, leaves: tuple[str, ...]) -> str:
     """What was tried, where it failed, and the ways out."""
@@ -1208,6 +1223,14 @@ def _trace_failure_message(model: torch.nn.Module, attempts: list[tuple[str, Bas
                      f"({type(model.get_submodule(blamed)).__name__}).")
     leaf_hint = blamed if blamed is not None and not opaque else "a.submodule.path"
     lines.append("Ways out:")
+    unknown = _unknown_pytree_type(attempts)
+    if unknown is not None:
+        lines.append(
+            f"  * the {unknown[1]} holds a {unknown[0]} object, which tracing cannot take "
+            "apart into tensors: register its class with "
+            "torch.utils._pytree.register_pytree_node (how to flatten it and build it "
+            "back)" + (", make it a dataclass" if unknown[1] == "model output" else "")
+            + ", or use lists, tuples or dicts of tensors;")
     if blamed is None and any(isinstance(c, CustomBackwardFunction)
                               for _, e in attempts for c in _exception_chain(e)):
         lines.append(
