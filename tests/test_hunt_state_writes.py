@@ -205,3 +205,120 @@ def test_an_opaque_module_writing_state_outside_itself_is_refused() -> None:
             pipe.forward_backward(input_args=(torch.randn(4, W),), label=torch.randn(4, 1),
                                   loss_fn=F.mse_loss)
     assert float(model.steps) == 0
+
+
+class ScalesItsInput(nn.Module):
+    """Opaque (data-dependent Python) and writes the tensor it is passed in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.detach().sum() > -1e9):
+            x.mul_(2)
+        return self.lin(x)
+
+
+class ReusesWhatTheLeafWrote(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(W, W) for _ in range(2))
+        self.leaves = nn.ModuleList(ScalesItsInput() for _ in range(2))
+        self.head = nn.Linear(W, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        z = torch.tanh(h + self.leaves[0](h))  # eager: h as the leaf left it
+        z = self.blocks[1](z)
+        return self.head(torch.tanh(z * self.leaves[1](z)))
+
+
+@pytest.mark.parametrize("devices,grain", [(1, "stage"), (3, "layer")])
+def test_an_opaque_module_writing_its_input_stays_with_the_unit_that_made_it(
+        devices: int, grain: str) -> None:
+    """The write was invisible to the unit merge: the leaf got its input as a stage
+    boundary (a leaf tensor that requires grad) and the call failed with 'a leaf Variable
+    that requires grad is being used in an in-place operation'.  The recording run now
+    shows which inputs a leaf writes, and layers keeps it with their producer."""
+    torch.manual_seed(0)
+    model = ReusesWhatTheLeafWrote().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, W, dtype=torch.double)
+    y = torch.randn(6, 1, dtype=torch.double)
+    with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=None,
+                   leaf_modules=[ScalesItsInput],
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3,
+                                                       recompute_grain=grain)) as pipe:
+        loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        ref = reference.eager_forward_backward(eager, (x,), {}, y, F.mse_loss, 3)
+        assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12), (loss, ref)
+        got = dict(pipe.optim_named_parameters())
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-10, atol=1e-12,
+                                       msg=name)
+
+
+class LeafFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaves = nn.ModuleList(ScalesItsInput() for _ in range(2))
+        self.head = nn.Linear(W, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.leaves[1](torch.tanh(self.leaves[0](x))))
+
+
+def test_an_opaque_module_writing_the_models_input_is_refused() -> None:
+    with RoundPipe(LeafFirst(), devices=["cpu"] * 2, leaf_modules=[ScalesItsInput],
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        with pytest.raises(ModelError, match=r"writes its input 'x' in place \(the opaque "
+                                             r"module's call in leaves\.0\)"):
+            pipe.forward_backward(input_args=(torch.randn(4, W),), label=torch.randn(4, 1),
+                                  loss_fn=F.mse_loss)
+
+
+class UpdatesWhatItIsPassed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+
+    def forward(self, state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.detach().sum() > -1e9):
+            with torch.no_grad():
+                state.mul_(0.5).add_(x.mean(0))
+        return torch.tanh(self.lin(x)) + state
+
+
+class PassesItsBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(W))
+        self.blocks = nn.ModuleList(nn.Linear(W, W) for _ in range(2))
+        self.tracker = UpdatesWhatItIsPassed()
+        self.head = nn.Linear(W, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](x))
+        x = self.tracker(self.ema, x)
+        return self.head(torch.tanh(self.blocks[1](x)))
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_buffer_passed_to_an_opaque_module_that_writes_it_is_committed(
+        devices: int) -> None:
+    """(With the outside-state check, a buffer passed as an argument is the device's
+    copy, carried like any other write.)"""
+    torch.manual_seed(0)
+    model = PassesItsBuffer().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, W, dtype=torch.double)
+    y = torch.randn(6, 1, dtype=torch.double)
+    with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=None,
+                   leaf_modules=[UpdatesWhatItIsPassed],
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        for call in range(2):
+            loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+            ref = reference.eager_forward_backward(eager, (x,), {}, y, F.mse_loss, 3)
+            assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12), (call, loss, ref)
+            torch.testing.assert_close(model.ema, eager.ema, rtol=1e-10, atol=1e-12)

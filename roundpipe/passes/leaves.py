@@ -64,7 +64,11 @@ class _Site:
     in_scalars: dict[int, tuple[str, int]] = field(default_factory=dict)
     num_tensor_inputs: int = 0
     state_names: tuple[str, ...] = ()
+    # indices (among the tensor inputs) the real run saw the leaf write in place
+    written_inputs: tuple[int, ...] = ()
 
+
+WRITES = "roundpipe.writes"  # layers.WRITES (layers imports this module through trace)
 
 _SITES: dict[int, _Site] = {}
 _NEXT_SITE = itertools.count()
@@ -165,12 +169,22 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
         # its own plain tensor attributes travel as constants, never written back
         outside += [(f"{path}.{n}", t) for n, t in tensor_attributes(model.get_submodule(path))]
 
-        def pre_hook(module: torch.nn.Module, inputs: Any, path: str = path,
+        def pre_hook(module: torch.nn.Module, inputs: Any, kw: Any, path: str = path,
                      outside: list[tuple[str, torch.Tensor]] = outside) -> None:
             before[path] = [(n, t, _version(t)) for n, t in outside]
+            tensors = [x for x in pytree.tree_leaves((inputs, kw))
+                       if isinstance(x, torch.Tensor)]
+            before[path + "#inputs"] = [(str(i), t, _version(t))
+                                        for i, t in enumerate(tensors)]
 
-        def hook(module: torch.nn.Module, inputs: Any, output: Any, path: str = path) -> None:
-            written = [n for n, t, version in before.pop(path, ()) if _version(t) != version]
+        def hook(module: torch.nn.Module, inputs: Any, kw: Any, output: Any,
+                 path: str = path) -> None:
+            inputs_seen = before.pop(path + "#inputs", ())
+            written_inputs = tuple(int(i) for i, t, version in inputs_seen
+                                   if _version(t) != version)
+            passed = {id(t) for _, t, _ in inputs_seen}  # arrive as graph values: carried
+            written = [n for n, t, version in before.pop(path, ())
+                       if _version(t) != version and id(t) not in passed]
             if written:
                 if written[0].startswith(path + "."):
                     raise ModelError(
@@ -191,10 +205,11 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
             flat, spec = pytree.tree_flatten(output)
             leaves_meta = [_TensorMeta(tuple(x.shape), x.stride(), x.dtype, x.device)
                            if isinstance(x, torch.Tensor) else x for x in flat]
-            calls[path].append(_Site(path, spec, leaves_meta))
+            calls[path].append(_Site(path, spec, leaves_meta,
+                                     written_inputs=written_inputs))
         module = model.get_submodule(path)
-        handles.append(module.register_forward_pre_hook(pre_hook))
-        handles.append(module.register_forward_hook(hook))
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
     # buffers and plain tensor attributes (a refused write must leave no trace either)
     def kept() -> list[tuple[str, torch.Tensor]]:
         return list(model.named_buffers()) + tensor_attributes(model)
@@ -250,7 +265,8 @@ def leaves_as_custom_ops(model: torch.nn.Module, leaves: tuple[str, ...],
                                    "real run with the same inputs")
             template = recorded[counters[path] % len(recorded)]
             counters[path] += 1
-            site = _Site(path, template.out_spec, template.out_leaves)
+            site = _Site(path, template.out_spec, template.out_leaves,
+                         written_inputs=template.written_inputs)
             sid = next(_NEXT_SITE)
             _SITES[sid] = site
             used[sid] = site
@@ -364,6 +380,14 @@ def replace_opaque_calls(gm: torch.fx.GraphModule, model: torch.nn.Module,
             outs = graph.call_function(tensor_leaves, (call,))
         for new in (ref, call, outs):
             new.meta = dict(node.meta)
+        if site.written_inputs:
+            # The leaf writes these inputs in place (seen in the real run): ``layers``
+            # keeps it with the unit that made them, as for any in-place write, and the
+            # trace refuses writes to the model's inputs and parameters.
+            from .trace import alias_root  # passes/trace.py imports this module
+            written = [tensors[i] for i in site.written_inputs
+                       if isinstance(tensors[i], torch.fx.Node)]
+            call.meta[WRITES] = tuple(alias_root(t) for t in written)
         node.replace_all_uses_with(outs)
         graph.erase_node(node)
         made[call] = site.path

@@ -49,7 +49,7 @@ from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
 from ..ops.modcall import call_module_functional
 from .custom_backward import CustomBackwardFunction, refuse_custom_backward
-from .leaves import (failing_module, leaves_as_custom_ops, replace_opaque_calls,
+from .leaves import (WRITES, failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
 from .mode_regions import (MODES, export_keeps_mode_calls, fx_records_grad_mode,
@@ -444,11 +444,8 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             node.meta[MODULE_PATH] = _module_path(node)
     buffer_slots = {s.name for s in state if s.kind == "buffer"}
     _mark_state_mutations(graph, buffer_slots)
-    _refuse_input_writes(model, graph, {n.name for n in user_inputs}, _written_roots)
     _refuse_constant_writes(model, graph, {s.name: s.fqn for s in state
                                            if s.kind == "constant"}, _written_roots)
-    _refuse_parameter_writes(model, graph, {s.name: s.fqn for s in state
-                                            if s.kind == "parameter"})
     _refuse_sparse_ops(model, graph, {s.name: s.fqn for s in state
                                       if s.kind == "parameter" and s.requires_grad})
     for node, path in replace_opaque_calls(gm, model, sites).items():
@@ -456,8 +453,14 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         if node.target is call_module_functional and model.get_submodule(path).training:
             # An opaque module in training mode may update its buffers (BatchNorm).
             written = sorted(v.name for v in node.args[1].values() if v.name in buffer_slots)
+            # and a buffer passed to it as an argument that it writes
+            written += [r for r in _written_roots(node) if r in buffer_slots]
             if written:
-                node.meta[MUTATES] = tuple(written)
+                node.meta[MUTATES] = tuple(sorted(set(written)))
+    # after the opaque calls: the inputs their real run saw them write count too
+    _refuse_input_writes(model, graph, {n.name for n in user_inputs}, _written_roots)
+    _refuse_parameter_writes(model, graph, {s.name: s.fqn for s in state
+                                            if s.kind == "parameter"})
     user_positions = [i for i, spec in enumerate(sig.output_specs)
                       if spec.kind == OutputKind.USER_OUTPUT]
     snapshots = _snapshot_written_state_outputs(graph, user_positions,
@@ -758,7 +761,7 @@ def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
 
 def _written_roots(node: torch.fx.Node) -> set[str]:
     """Names of the base values ``node`` writes in place."""
-    written: list[Any] = []
+    written: list[Any] = list(node.meta.get(WRITES, ()))  # opaque calls (leaves.py)
     hidden = HIDDEN_WRITES.get(node.target)
     if hidden is not None:
         written.extend(hidden(node))
@@ -857,9 +860,11 @@ def _refuse_input_writes(model: torch.nn.Module, graph: torch.fx.Graph, inputs: 
         if hit:
             where = node.meta.get(MODULE_PATH) or _module_path(node) or \
                 "the top-level forward"
+            op = "the opaque module's call" if node.target is call_module_functional \
+                else node.target
             raise ModelError(
                 f"{type(model).__name__}'s forward writes its input {hit[0]!r} in place "
-                f"({node.target} in {where}); roundpipe runs each microbatch on a copy of "
+                f"({op} in {where}); roundpipe runs each microbatch on a copy of "
                 "its inputs, so the write would not reach your tensor, and an input "
                 "passed whole to every microbatch would not show one microbatch's write "
                 "to the next as eager PyTorch does. Write to a copy instead "
