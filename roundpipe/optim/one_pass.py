@@ -120,8 +120,16 @@ class OnePass:
                  if (grad := self._grad_of(p, scales)) is not None] for params in mine]
         # Every buffer is allocated before anything is written: running out of host
         # memory in a later group must not leave earlier groups stepped.
-        self._fresh = self._allocate_state(list(zip(groups, work)))
-        self._torch_step_without(mine)
+        known = {id(p) for p in self.state}  # type: ignore[attr-defined]
+        created = self._allocate_state(list(zip(groups, work)))
+        try:  # torch's step on the other parameters (it allocates their state too)
+            self._torch_step_without(mine)
+        except BaseException:
+            # none of this class's parameters was written: the next step starts the
+            # buffers made here afresh (SGD's first step copies the gradient)
+            self._drop_state(created, known)
+            raise
+        self._fresh = frozenset((id(p), key) for p, key in created)
         self._scales = scales
         try:
             for g, pairs in zip(groups, work):
@@ -137,16 +145,16 @@ class OnePass:
 
     def _allocate_state(self, work: list[tuple[dict[str, Any],
                                                 list[tuple[torch.Tensor, torch.Tensor]]]]
-                        ) -> frozenset[tuple[int, str]]:
+                        ) -> list[tuple[torch.Tensor, str]]:
         """Allocate every state tensor this step needs that does not exist yet (and the
-        conversion buffers), and return the ``(id(param), key)`` of those created.  If an
+        conversion buffers), and return the ``(param, key)`` of those created.  If an
         allocation fails, the ones made are dropped again and the optimizer is as before."""
         created: list[tuple[torch.Tensor, str]] = []
         known = {id(p) for p in self.state}  # type: ignore[attr-defined]
         try:
             for group, pairs in work:
                 keys = self._state_keys(group)
-                for p, _ in pairs:
+                for p, _ in (pairs if keys else ()):  # no empty entries (as torch)
                     state = self.state[p]  # type: ignore[attr-defined]
                     for key in keys:
                         if state.get(key) is None:
@@ -159,16 +167,20 @@ class OnePass:
                     for slot in range(n_slots):
                         self._scratch().get(slot, dtype, kernels.CHUNK)
         except BaseException as e:
-            for p, key in created:
-                self.state[p].pop(key, None)  # type: ignore[attr-defined]
-            for p in [p for p, state in self.state.items()  # type: ignore[attr-defined]
-                      if id(p) not in known and not state]:
-                del self.state[p]  # type: ignore[attr-defined]
+            self._drop_state(created, known)
             if isinstance(e, MemoryError) or (isinstance(e, RuntimeError)
                                               and "alloc" in str(e).lower()):
                 raise self._out_of_memory(work, e) from e
             raise
-        return frozenset((id(p), key) for p, key in created)
+        return created
+
+    def _drop_state(self, created: list[tuple[torch.Tensor, str]], known: set[int]) -> None:
+        """Drop the state ``_allocate_state`` made, and the entries it left empty."""
+        for p, key in created:
+            self.state[p].pop(key, None)  # type: ignore[attr-defined]
+        for p in [p for p, state in self.state.items()  # type: ignore[attr-defined]
+                  if id(p) not in known and not state]:
+            del self.state[p]  # type: ignore[attr-defined]
 
     def _out_of_memory(self, work: list[tuple[dict[str, Any],
                                                list[tuple[torch.Tensor, torch.Tensor]]]],
