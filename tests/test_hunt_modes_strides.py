@@ -172,3 +172,33 @@ def test_an_output_of_an_unknown_class_says_how_to_register_it() -> None:
         with pytest.raises(TraceError, match=r"(?s)output holds a .*_Plain object.*"
                            r"register_pytree_node.*make it a dataclass"):
             pipe(torch.randn(4, W, dtype=torch.double))
+
+
+class FeatureAlphaNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(W, W) for _ in range(3))
+        self.drop = nn.FeatureAlphaDropout(0.3)
+        self.head = nn.Linear(W, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.drop(torch.tanh(block(x)))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_feature_alpha_dropout_keeps_samples_apart_in_pipe_outputs(train: bool) -> None:
+    """pipe(x) over several microbatches raised MergeError ('cannot prove it keeps samples
+    apart') for nn.FeatureAlphaDropout, even in eval mode where it is the identity; its
+    mask is per sample and channel, like the other dropouts the merge knows."""
+    torch.manual_seed(0)
+    model = FeatureAlphaNet().double().train(train)
+    x = torch.randn(6, 5, W, dtype=torch.double)
+    outs = []
+    for devices in (1, 2):
+        with _pipe(copy.deepcopy(model), devices, 3) as pipe, torch.no_grad():
+            outs.append(pipe(x))
+    assert torch.equal(outs[0], outs[1])
+    if not train:
+        torch.testing.assert_close(outs[0], model(x), rtol=0, atol=1e-12)

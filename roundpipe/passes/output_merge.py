@@ -1179,7 +1179,7 @@ def _masked_fill(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 
 _SAME = ["clone", "contiguous", "detach", "alias", "_to_copy", "to", "type_as",
          "lift_fresh_copy", "_assert_tensor_metadata", "dropout", "native_dropout",
-         "feature_dropout", "alpha_dropout", "bernoulli", "copy",
+         "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "bernoulli", "copy",
          "_to_dtype", "view_as_real", "view_as_complex", "real", "imag", "conj",
          "resolve_conj", "resolve_neg", "_conj", "fill", "zero", "normal", "uniform",
          "exponential", "random", "cauchy", "geometric", "log_normal"]
