@@ -7,7 +7,7 @@ equal eager or raise MergeError, never return another number.
   through ops that change their values (``one_hot``, ``diff``, ``index_fill``,
   ``bucketize``, ``pad``, ``zero_``), then indexed rows as if they were sample numbers;
 * the batch size as the first, scalar, argument (``pow(B, x)``, ``xlogy(B, x)``,
-  ``remainder(B, x)``) was not seen;
+  ``remainder(B, x)``) or as ``full_like``'s fill value was not seen;
 * a ``repeat``/``tile``/``expand`` to the batch size in a new dimension made a
   batch-long dimension the merge does not concatenate ((2, 6, 4) for eager's (6, 6, 4));
 * ``bucketize`` with batch boundaries places every value among all of the batch's.
@@ -44,6 +44,7 @@ CASES: dict[str, Callable[[torch.Tensor], Any]] = {
     "pow_batch_size_base": lambda h: torch.pow(h.shape[0], h),
     "xlogy_batch_size": lambda h: torch.xlogy(h.shape[0], h.abs()),
     "remainder_batch_size": lambda h: torch.remainder(h.shape[0], h),
+    "full_like_batch_size": lambda h: torch.full_like(h, h.shape[0]) * h,
     "repeat_to_batch_size": lambda h: h.unsqueeze(0).repeat(h.shape[0], 1, 1),
     "tile_to_batch_size": lambda h: torch.tile(h.unsqueeze(0), (h.shape[0], 1, 1)),
     "expand_to_batch_size": lambda h: h.unsqueeze(0).expand(h.shape[0], -1, -1),

@@ -1019,6 +1019,9 @@ def _sym_size(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
 def _factory_like(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     """``zeros_like(x)`` and friends: x's layout of samples, values of their own."""
     x = node.args[0]
+    if any(isinstance(a, torch.fx.Node) and states.get(a, R) == S
+           for a in (*node.args, *node.kwargs.values())):  # full_like(x, x.shape[0])
+        raise _Mixing(f"{_where(node)} fills with the batch size")
     return states.get(x, R) if states.get(x, R)[0] == "B" else _elementwise(node, states, batch)
 
 
