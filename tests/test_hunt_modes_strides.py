@@ -202,3 +202,37 @@ def test_feature_alpha_dropout_keeps_samples_apart_in_pipe_outputs(train: bool) 
     assert torch.equal(outs[0], outs[1])
     if not train:
         torch.testing.assert_close(outs[0], model(x), rtol=0, atol=1e-12)
+
+
+class PaddedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(W, W)
+        self.blocks = nn.ModuleList(nn.MultiheadAttention(W, 2, batch_first=True)
+                                    for _ in range(2))
+        self.head = nn.Linear(W, 2)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor):
+        h, weights = self.inp(x), []
+        for block in self.blocks:
+            a, w = block(h, h, h, key_padding_mask=pad)  # need_weights=True: the default
+            h, weights = h + a, weights + [w]
+        return self.head(h), weights
+
+
+def test_multihead_attention_with_a_padding_mask_merges_exactly() -> None:
+    """nn.MultiheadAttention's default path adds the key padding mask with baddbmm; the
+    merge refused any per-sample bias ('aten.baddbmm adds a batch value'), so pipe(x) of
+    several microbatches raised MergeError. A bias holding its samples where the product
+    does keeps them apart."""
+    torch.manual_seed(0)
+    model = PaddedAttention().double()
+    x = torch.randn(6, 5, W, dtype=torch.double)
+    pad = torch.zeros(6, 5, dtype=torch.bool)
+    pad[0, -2:] = True
+    pad[4, -1] = True
+    with _pipe(copy.deepcopy(model), 2, 3) as pipe, torch.no_grad():
+        out, want = pipe(x, pad), model(x, pad)
+    torch.testing.assert_close(out[0], want[0], rtol=0, atol=1e-12)
+    for o, w in zip(out[1], want[1]):
+        torch.testing.assert_close(o, w, rtol=0, atol=1e-12)

@@ -820,9 +820,11 @@ def _matmul(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     sa, sb = states.get(a, R), states.get(b, R)
     na, nb, nout = _ndim(a), _ndim(b), _ndim(node)
     name = _name(node)
+    bias_state = R
     if name in ("addmm", "baddbmm", "addbmm"):
         bias, a, b = node.args[0], node.args[1], node.args[2]
-        if states.get(bias, R) != R:
+        bias_state = states.get(bias, R)
+        if bias_state != R and bias_state[0] != "B":
             raise _Mixing(f"{_where(node)} adds a batch value")
         sa, sb = states.get(a, R), states.get(b, R)
         na, nb = _ndim(a), _ndim(b)
@@ -850,10 +852,14 @@ def _matmul(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
         if st == R and len(shape) >= 3 and out < nout - 2 \
                 and not _broadcasts_past(shape[:-2], nout - 2, out):
             raise _Mixing(f"{_where(node)} pairs each sample with a replicated slice")
-    if name in ("addmm", "baddbmm", "addbmm") \
+    if name in ("addmm", "baddbmm", "addbmm") and bias_state == R \
             and not _broadcasts_past(_shape(node.args[0]), nout, out):
         raise _Mixing(f"{_where(node)} adds a replicated bias that varies along the batch")
-    layouts = {tuple(t[2:]) for t in (sa, sb) if t[0] == "B"}
+    if bias_state != R and nout - (_ndim(node.args[0]) - bias_state[1]) != out:
+        # A per-sample bias (nn.MultiheadAttention's key padding mask) must hold its
+        # samples where the product does.
+        raise _Mixing(f"{_where(node)} adds a batch value along another dimension")
+    layouts = {tuple(t[2:]) for t in (sa, sb, bias_state) if t[0] == "B"}
     if len(layouts) != 1:
         raise _Mixing(f"{_where(node)} multiplies batch values laid out differently")
     return ("B", out) + layouts.pop()
