@@ -47,7 +47,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
-from ..ops.modcall import call_module_functional
+from ..ops.modcall import call_module_functional, tensor_leaves
 from .custom_backward import CustomBackwardFunction, refuse_custom_backward
 from .leaves import (WRITES, failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
@@ -801,7 +801,9 @@ def _snapshot_written_state_outputs(graph: torch.fx.Graph, positions: list[int],
     microbatches left it by the time the loss (or the caller) read it, since a pipeline
     runs a job's units on every microbatch before the next job: a wrong loss.  The
     buffer's writes and reads all lie in one unit (``layers`` merges them), so the copy
-    is made in that unit.  Returns {old output value: its copy}."""
+    is made in that unit.  An output of an opaque module that writes buffers (a leaf,
+    or a unit of the torch.fx fallback) may alias one of them unseen: it is copied
+    too.  Returns {old output value: its copy}."""
     written = {m for node in graph.nodes for m in node.meta.get(MUTATES, ())}
     if not written:
         return {}
@@ -813,15 +815,27 @@ def _snapshot_written_state_outputs(graph: torch.fx.Graph, positions: list[int],
         if not isinstance(value, torch.fx.Node):
             continue
         root = _any_alias_root(value)
-        if root.op != "placeholder" or root.name not in written:
-            continue
+        if root.op == "placeholder" and root.name in written:
+            slots = {root.name}
+        else:
+            # an output of an opaque module that writes buffers may be (a view of) one
+            origin = root
+            while origin.op == "call_function" and origin.target in (operator.getitem,
+                                                                     tensor_leaves):
+                origin = _any_alias_root(origin.args[0])
+            if origin.op != "call_function" or origin.target is not call_module_functional:
+                continue
+            slots = set(origin.meta.get(MUTATES, ()))
+            if not slots:
+                continue
         if value not in copies:
-            last = value
+            last = value  # the value or the last node touching the buffers, in order
             for node in graph.nodes:
                 if node.op in ("placeholder", "output"):
                     continue
-                if root.name in node.meta.get(MUTATES, ()) or any(
-                        _any_alias_root(a) is root for a in node.all_input_nodes):
+                if node is value or slots & set(node.meta.get(MUTATES, ())) or any(
+                        (r := _any_alias_root(a)).op == "placeholder" and r.name in slots
+                        for a in node.all_input_nodes):
                     last = node
             with graph.inserting_after(last):
                 copy = graph.call_function(clone, (value,))
