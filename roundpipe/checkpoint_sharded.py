@@ -157,9 +157,10 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Equal for two names of one tensor (tied weights): written once, as torch.save and
-    safetensors exports do."""
+    safetensors exports do.  A conjugate or negative view of the same memory holds other
+    values (``b.conj()``): not the same tensor."""
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-            t.stride(), t.dtype, t.device)
+            t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
 
 
 # --- writing ---------------------------------------------------------------------------
