@@ -160,12 +160,15 @@ class OnePass:
                         if state.get(key) is None:
                             state[key] = self._moment(p)
                             created.append((p, key))
-            if self.kernel == "fused" or native.library() is None:
-                n_slots = 1 + max((len(self._state_keys(g)) for g, pairs in work if pairs),
-                                  default=0)
-                for dtype in {p.dtype for _, pairs in work for p, _ in pairs}:
-                    for slot in range(n_slots):
-                        self._scratch().get(slot, dtype, kernels.CHUNK)
+            # Conversion buffers for what torch's fused kernels will update: everything
+            # without the native loop, else the parameters it does not take (not float32).
+            fused_all = self.kernel == "fused" or native.library() is None
+            n_slots = 1 + max((len(self._state_keys(g)) for g, pairs in work if pairs),
+                              default=0)
+            for dtype in {p.dtype for _, pairs in work for p, _ in pairs
+                          if fused_all or p.dtype != torch.float32}:
+                for slot in range(n_slots):
+                    self._scratch().get(slot, dtype, kernels.CHUNK)
         except BaseException as e:
             self._drop_state(created, known)
             if isinstance(e, MemoryError) or (isinstance(e, RuntimeError)
