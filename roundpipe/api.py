@@ -649,6 +649,8 @@ class RoundPipe:
                 n for n in program.inputs.names if n is not None)
             plan = plan_output_merge(entry.analysis.traced, split, available)
             entry.merge_plans[key] = plan
+        if plan.tail is not None:
+            plan = _tail_within_guards(plan, program.inputs, (args, kwargs), split)
         refused = [(j, r) for j, r in enumerate(plan.rules) if r.kind == "none"]
         if refused and strict:
             names = output_names(program.out_spec, len(program.outputs))
@@ -1135,6 +1137,33 @@ def _tail_values(plan: OutputMergePlan | None) -> frozenset[str]:
     if plan is None or plan.tail is None:
         return frozenset()
     return frozenset(value for value, _, _ in plan.tail.inputs)
+
+
+def _tail_within_guards(plan: OutputMergePlan, sig: InputSignature,
+                        full: tuple[tuple[Any, ...], dict[str, Any]],
+                        split: dict[str, int | None]) -> OutputMergePlan:
+    """The output tail reruns part of the program on the whole batch; the trace may have
+    fixed or bounded the batch dimension (``x[:3]`` traced at a microbatch of 2 is no slice
+    at all), so a whole batch outside those guards cannot run it: such outputs are
+    refused rather than computed by a program made for other shapes."""
+    for name, value, spec in zip(sig.names, flat_leaves(sig, *full) or [], sig.static):
+        d = split.get(name) if name is not None else None
+        if d is None or not isinstance(value, torch.Tensor) or not (
+                isinstance(spec, tuple) and len(spec) == 3 and spec[0] == "tensor"):
+            continue
+        size, bound = value.shape[d], spec[2][d]
+        fixed = isinstance(bound, int) and bound != size
+        outside = isinstance(bound, tuple) and (size < bound[0] or (
+            bound[1] is not None and size > bound[1]))
+        if fixed or outside:
+            reason = (f"it is recomputed on the whole batch after the pipeline, but the "
+                      f"program was traced for {name}'s dimension {d} "
+                      f"{'fixed at' if fixed else 'within'} {bound} (the trace specialised "
+                      f"on the microbatch's size), and the whole batch has {size}")
+            rules = tuple(dataclasses.replace(r, kind="none", reason=reason)
+                          if r.kind == "tail" else r for r in plan.rules)
+            return dataclasses.replace(plan, rules=rules, tail=None)
+    return plan
 
 
 def _split_dims(sig: InputSignature, full: tuple[tuple[Any, ...], dict[str, Any]],

@@ -492,3 +492,30 @@ def test_einsum_merges_exactly_when_each_sample_keeps_its_own_letter(perm, rep, 
             want = eager(x)
         assert got.shape == want.shape, equation
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=equation)
+
+
+class _FirstRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        return h[:3] + h[:3, :].tanh()  # at a microbatch of 2, [:3] is no slice at all
+
+
+def test_a_tail_traced_for_a_fixed_microbatch_size_is_refused_not_run_on_the_batch() -> None:
+    """The output mixes samples, so it is recomputed on the whole batch; but the trace at a
+    microbatch of 2 fixed the batch at 2 and dropped one slice as a no-op.  That program
+    failed on the batch of 6 with a size mismatch deep in the tail; it is now a MergeError
+    naming the guard, and one microbatch is exact."""
+    torch.manual_seed(0)
+    model = _FirstRows().double()
+    x = torch.randn(6, 4, dtype=torch.double)
+    with RoundPipe(copy.deepcopy(model), devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        with pytest.raises(MergeError, match=r"fixed at 2 .*whole batch has 6"):
+            pipe(x)
+    with RoundPipe(copy.deepcopy(model), devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=1)) as pipe:
+        torch.testing.assert_close(pipe(x), model(x), rtol=1e-12, atol=1e-12)
