@@ -35,7 +35,7 @@ import torch.fx
 
 from ..plan import LayerUnit
 from .trace import (HIDDEN_WRITES, MODULE_PATH, MUTATES as MUTATES_KEY, TracedGraph,
-                    alias_root, normalize_module_path)
+                    alias_root, any_alias_root, normalize_module_path)
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ def _merge_written_state(
     written: set[torch.fx.Node] = set()
     for node in run_of:
         for value in _written_by(node, placeholders):
-            root = _state_root(value)
+            root = any_alias_root(value)
             if root.op == "placeholder" and root.name in state:
                 written.add(root)
     by_value = {n.name: n for n in run_of}
@@ -374,7 +374,7 @@ def _merge_written_state(
         return runs, ()
     span: dict[torch.fx.Node, list[int]] = {}
     for node, i in run_of.items():
-        touched = [_state_root(a) for a in node.all_input_nodes]
+        touched = [any_alias_root(a) for a in node.all_input_nodes]
         touched += [placeholders[slot] for slot, value in traced.buffer_updates
                     if value == node.name and slot in placeholders]
         for root in touched:
@@ -423,16 +423,6 @@ def _written_by(node: torch.fx.Node, placeholders: dict[str, torch.fx.Node]
         from .dynamo import written_values  # passes/dynamo.py imports this module
         found.extend(written_values(node))
     return found
-
-
-def _state_root(node: torch.fx.Node) -> torch.fx.Node:
-    """Follow aliases (views, in-place results) back to the base value, in either IR."""
-    from .dynamo import alias_root as torch_alias_root  # passes/dynamo.py imports us
-    while True:
-        root = torch_alias_root(alias_root(node))
-        if root is node:
-            return node
-        node = root
 
 
 def _merge_cross_unit_writes(

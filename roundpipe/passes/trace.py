@@ -705,20 +705,27 @@ def _copy_state_outputs(graph: torch.fx.Graph, positions: list[int], state: set[
         if value not in copies:
             readers = [n for n in value.users if n.op != "output"]
             last = max(readers, key=_node_order(graph)) if readers else out_node.prev
-            with graph.inserting_after(last):
-                copy = graph.call_function(clone, (value,))
-            if readers:
-                for key in ("nn_module_stack", "stack_trace", MODULE_PATH, MODES):
-                    if key in last.meta:
-                        copy.meta[key] = last.meta[key]
-            for key in ("val", "tensor_meta"):
-                if key in value.meta:
-                    copy.meta[key] = value.meta[key]
-            copies[value] = copy
+            copies[value] = _insert_copy(graph, clone, value, last, where=bool(readers))
         flat[i] = copies[value]
     if copies:
         out_node.args = (type(out_node.args[0])(flat),) + tuple(out_node.args[1:])
     return {old.name: new.name for old, new in copies.items()}
+
+
+def _insert_copy(graph: torch.fx.Graph, clone: Callable[..., Any], value: torch.fx.Node,
+                 last: torch.fx.Node, where: bool = True) -> torch.fx.Node:
+    """``clone(value)`` right after ``last``, in ``last``'s module and modes (``where``)
+    with ``value``'s shape."""
+    with graph.inserting_after(last):
+        copy = graph.call_function(clone, (value,))
+    if where:
+        for key in ("nn_module_stack", "stack_trace", MODULE_PATH, MODES):
+            if key in last.meta:
+                copy.meta[key] = last.meta[key]
+    for key in ("val", "tensor_meta"):
+        if key in value.meta:
+            copy.meta[key] = value.meta[key]
+    return copy
 
 
 def _node_order(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], int]:
@@ -783,7 +790,7 @@ def _mark_state_mutations(graph: torch.fx.Graph, buffers: set[str]) -> None:
             node.meta[MUTATES] = mutated
 
 
-def _any_alias_root(node: torch.fx.Node) -> torch.fx.Node:
+def any_alias_root(node: torch.fx.Node) -> torch.fx.Node:
     """Follow aliases back to the base value in either IR (ATen schemas, torch-level)."""
     from .dynamo import alias_root as torch_alias_root  # avoids a cycle
     while True:
@@ -814,7 +821,7 @@ def _snapshot_written_state_outputs(graph: torch.fx.Graph, positions: list[int],
         value = flat[i]
         if not isinstance(value, torch.fx.Node):
             continue
-        root = _any_alias_root(value)
+        root = any_alias_root(value)
         if root.op == "placeholder" and root.name in written:
             slots = {root.name}
         else:
@@ -822,7 +829,7 @@ def _snapshot_written_state_outputs(graph: torch.fx.Graph, positions: list[int],
             origin = root
             while origin.op == "call_function" and origin.target in (operator.getitem,
                                                                      tensor_leaves):
-                origin = _any_alias_root(origin.args[0])
+                origin = any_alias_root(origin.args[0])
             if origin.op != "call_function" or origin.target is not call_module_functional:
                 continue
             slots = set(origin.meta.get(MUTATES, ()))
@@ -834,18 +841,10 @@ def _snapshot_written_state_outputs(graph: torch.fx.Graph, positions: list[int],
                 if node.op in ("placeholder", "output"):
                     continue
                 if node is value or slots & set(node.meta.get(MUTATES, ())) or any(
-                        (r := _any_alias_root(a)).op == "placeholder" and r.name in slots
+                        (r := any_alias_root(a)).op == "placeholder" and r.name in slots
                         for a in node.all_input_nodes):
                     last = node
-            with graph.inserting_after(last):
-                copy = graph.call_function(clone, (value,))
-            for key in ("nn_module_stack", "stack_trace", MODULE_PATH, MODES):
-                if key in last.meta:
-                    copy.meta[key] = last.meta[key]
-            for key in ("val", "tensor_meta"):
-                if key in value.meta:
-                    copy.meta[key] = value.meta[key]
-            copies[value] = copy
+            copies[value] = _insert_copy(graph, clone, value, last)
         flat[i] = copies[value]
     if copies:
         out_node.args = (type(out_node.args[0])(flat),) + tuple(out_node.args[1:])
