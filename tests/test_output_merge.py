@@ -327,6 +327,14 @@ def test_an_output_equals_eager_or_the_call_refuses(name: str, then_trainable: b
     checked: a claimed per-sample value is concatenated and must equal eager's."""
     torch.manual_seed(0)
     model = (_ThenScale if then_trainable else Reducing)(TRICKY[name]).double()
+    _merges_or_refuses(model, name, must_merge=name in MERGEABLE)
+
+
+def _merges_or_refuses(model: nn.Module, what: str, must_merge: bool,
+                       exported: bool = False) -> None:
+    """pipe(x) over 3 microbatches of a batch of 7 equals eager, or raises MergeError
+    (then ``must_merge`` fails the test; ``exported``: the refusal must come from the
+    export's proof, not the torch.fx fallback's lack of one)."""
     eager = copy.deepcopy(model)
     x = torch.randn(7, 4, dtype=torch.double)
     with RoundPipe(model, devices=["cpu"] * 2,
@@ -335,14 +343,15 @@ def test_an_output_equals_eager_or_the_call_refuses(name: str, then_trainable: b
             with torch.no_grad():
                 out = pipe(x)
         except MergeError:
-            assert name not in MERGEABLE, name
+            assert not exported or pipe.plan.program.trace_method == "export", what
+            assert not must_merge, what
             return
         with torch.no_grad():
             ref = eager(x)
         for a, b in zip(torch.utils._pytree.tree_leaves(out),
                         torch.utils._pytree.tree_leaves(ref)):
-            assert a.shape == b.shape, name
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+            assert a.shape == b.shape, what
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=what)
 
 
 class _ThenScale(nn.Module):
@@ -476,22 +485,8 @@ def test_einsum_merges_exactly_when_each_sample_keeps_its_own_letter(perm, rep, 
     out_term = "".join(c for c in out[:out_len] if c in used)
     equation = f"{batch_term},{rep_term}->{out_term}"
     torch.manual_seed(0)
-    model = _Einsum(list(perm), equation).double()
-    eager = copy.deepcopy(model)
-    x = torch.randn(7, 4, dtype=torch.double)
-    with RoundPipe(model, devices=["cpu"] * 2,
-                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
-        try:
-            with torch.no_grad():
-                got = pipe(x)
-        except MergeError:
-            assert pipe.plan.program.trace_method == "export"
-            assert "b" not in out_term, equation
-            return
-        with torch.no_grad():
-            want = eager(x)
-        assert got.shape == want.shape, equation
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=equation)
+    _merges_or_refuses(_Einsum(list(perm), equation).double(), equation,
+                       must_merge="b" in out_term, exported=True)
 
 
 class _FirstRows(nn.Module):
