@@ -112,6 +112,13 @@ SPECIFIC: dict[str, dict[str, Any]] = {
                   expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=4),
     "mpt": dict(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64),
     "deberta-v2": dict(position_buckets=8, max_relative_positions=16),
+    "deepseek_v3": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                        kv_lora_rank=16, q_lora_rank=16, n_routed_experts=4,
+                        first_k_dense_replace=1, n_group=1, topk_group=1,
+                        num_key_value_heads=4),
+    "mamba2": dict(num_heads=8, head_dim=8, n_groups=1, expand=2),
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, ffn_config=dict(
+        ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2), attn_config=dict(kv_n_heads=2)),
 }
 FAMILY_TASKS = dict(FAMILIES.values())
 # FSMT's causal mask (fill_with_neg_inf) overflows in float64 in eager PyTorch itself.
@@ -128,13 +135,11 @@ def tiny_config(model_type: str) -> Any:
         isinstance(getattr(type(defaults), k, None), property)
         and getattr(type(defaults), k).fset is None)
     kwargs = {k: v for k, v in TINY.items() if settable(k)}
-    kwargs.update({k: 0.0 for k in DROPOUTS if hasattr(defaults, k)
-                   and isinstance(getattr(defaults, k), float)})
-    if model_type in SPECIFIC:
+    kwargs.update({k: 0.0 for k, v in defaults.to_dict().items()  # no random draws
+                   if ("drop" in k or k in DROPOUTS) and isinstance(v, float)})
+    if FAMILY_TASKS.get(model_type) == "image":  # their sizes are per stage: no generic ones
         kwargs = {k: v for k, v in kwargs.items() if k in DROPOUTS or k == "use_cache"}
-        if model_type == "jamba" or model_type == "mpt" or model_type == "deberta-v2":
-            kwargs.update({k: v for k, v in TINY.items() if hasattr(defaults, k)})
-        kwargs.update(SPECIFIC[model_type])
+    kwargs.update(SPECIFIC.get(model_type, {}))
     if "num_labels" in dir(defaults) and model_type in ("vit", "swin", "convnext", "resnet"):
         kwargs["num_labels"] = 3
     if FAMILY_TASKS.get(model_type) == "seq2seq":
