@@ -116,6 +116,14 @@ SPECIFIC: dict[str, dict[str, Any]] = {
                         kv_lora_rank=16, q_lora_rank=16, n_routed_experts=4,
                         first_k_dense_replace=1, n_group=1, topk_group=1,
                         num_key_value_heads=4),
+    "zamba": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=2, mamba_d_state=8,
+                  mamba_dt_rank=4, attention_head_dim=8),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=8, mamba_headdim=8,
+                   mamba_d_state=8, attention_head_dim=8, num_mem_blocks=1),
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8,
+                  attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8,
+                             mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8),
     "mamba2": dict(num_heads=8, head_dim=8, n_groups=1, expand=2),
     "dbrx": dict(d_model=32, n_heads=4, n_layers=2, ffn_config=dict(
         ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2), attn_config=dict(kv_n_heads=2)),
@@ -123,6 +131,8 @@ SPECIFIC: dict[str, dict[str, Any]] = {
 FAMILY_TASKS = dict(FAMILIES.values())
 # FSMT's causal mask (fill_with_neg_inf) overflows in float64 in eager PyTorch itself.
 FLOAT32 = {"fsmt"}
+# XGLM builds its mask in the default dtype: float64 needs it as the default (eager too).
+DEFAULT_FLOAT64 = {"xglm"}
 AUTO = {"causal": transformers.AutoModelForCausalLM,
         "masked": transformers.AutoModelForMaskedLM,
         "seq2seq": transformers.AutoModelForSeq2SeqLM,
@@ -232,6 +242,9 @@ def check(family: str, grain: str) -> float:
 
 def run_family(family: str) -> tuple[str, float | None, float]:
     start = time.perf_counter()
+    default_dtype = torch.get_default_dtype()
+    if family in DEFAULT_FLOAT64:
+        torch.set_default_dtype(torch.float64)
     try:
         err = max(check(family, grain) for grain in ("stage", "layer"))
         status = "ok" if err <= (1e-5 if family in FLOAT32 else 1e-9) else "WRONG"
@@ -242,6 +255,8 @@ def run_family(family: str) -> tuple[str, float | None, float]:
         status, err = f"error: {type(e).__name__}: {first}"[:200], None
         if ARGS.traceback:
             traceback.print_exc()
+    finally:
+        torch.set_default_dtype(default_dtype)
     return status, err, time.perf_counter() - start
 
 
