@@ -18,7 +18,7 @@ from .errors import (ConfigError, InputError, LossError, MergeError, ModelError,
                      OutOfMemoryError, PartitionError, RoundPipeError, StageError, StepError,
                      TraceError, UnknownConfigFieldError)
 from .errors import (DataParallelError, HostOutOfMemoryError, NonFiniteGradientError,
-                     OptimizerError, ReplicaError)
+                     OptimizerError, ParameterHookError, ReplicaError)
 from .runtime.data_parallel import DataParallelConfig
 from .plan import StagePlan
 from .runtime.host_memory import HostMemory
@@ -63,6 +63,7 @@ __all__ = [
     "ConfigError",
     "UnknownConfigFieldError",
     "ModelError",
+    "ParameterHookError",
     "TraceError",
     "PartitionError",
     "InputError",

@@ -43,6 +43,7 @@ from .runtime.microbatch import (MergeColumn, batch_size_of, check_on_cpu, input
                                  split_inputs, split_label)
 from .runtime.data_parallel import DataParallel, DataParallelConfig, DataParallelInfo
 from .runtime.optimizer import OptimizerWorker
+from .runtime import param_hooks
 from .ops.rng import RngKey
 from .runtime.signature import flat_leaves, flatten_inputs, leading_size, matches
 
@@ -554,18 +555,20 @@ class RoundPipe:
                                       strict=False) if return_outputs else None
             batch = batch_size_of(input_args, input_kwargs) if cfg.split_input is None else -1
             labels = split_label(label, cfg.num_microbatch, batch, cfg.split_label)
+            # eager's reference is the per-microbatch loop: one backward per microbatch
+            hooks = self._hooks(entry, per_microbatch=True)
             on_grads = dp_call.bind(entry.host, entry.plan.program.units) if dp_call else None
             result = entry.executor.train(
                 flat, labels, loss_fn, grain=cfg.recompute_grain, want_outputs=return_outputs,
                 keys=self._keys(cfg), fence_version=self._state.fences.target,
                 autocast=self._autocast(), nonfinite_loss_ok=self._nonfinite_loss_ok,
-                on_grads=on_grads, keep=_tail_values(plan))
+                on_grads=on_grads, keep=_tail_values(plan), hooks=hooks)
             loss = _sum_losses(result.losses)
             if dp_call is not None:
                 # A failed step here must fail the call on every replica, before any commits.
                 self._optimizer.wait()
                 loss = dp_call.complete(result, loss)
-            self._finish(entry, result)
+            self._finish(entry, result, hooks=hooks)
             if dp_call is not None:
                 self._sync_replica_buffers(entry)
             if return_outputs:
@@ -614,18 +617,30 @@ class RoundPipe:
         pipe is not data-parallel."""
         return self._dp.info if self._dp is not None else None
 
-    def _finish(self, entry: _Compiled, result: RunResult, *, count_call: bool = True
-                ) -> None:
+    def _hooks(self, entry: _Compiled, *, per_microbatch: bool) -> param_hooks.HookPlan:
+        """Where this call runs the hooks on the parameters, read now (runtime/
+        param_hooks.py); refuses, before anything runs, hooks it cannot run exactly."""
+        return param_hooks.plan_hooks(entry.host, entry.plan.program,
+                                      per_microbatch=per_microbatch,
+                                      data_parallel=self._dp is not None)
+
+    def _finish(self, entry: _Compiled, result: RunResult, *, count_call: bool = True,
+                hooks: param_hooks.HookPlan = param_hooks.NO_HOOKS) -> None:
         """Commit a successful call: gradients and buffer updates into host state."""
         # Gradients may only land once the optimizer has finished reading them.
         self._optimizer.wait()
 
         def commit() -> None:
-            entry.host.commit(result.param_grads, result.buffers, result.grads_owned,
+            grads, hooked = result.param_grads, []
+            if hooks.at_commit:  # tensor hooks first: an error in one commits nothing
+                grads, hooked = param_hooks.run_tensor_hooks(entry.host, hooks, grads,
+                                                             result.mb_grads)
+            entry.host.commit(grads, result.buffers, result.grads_owned,
                               result.grads_holdable, result.grad_norms)
             self._stats = result.stats
             if count_call:  # a backward belongs to the forward call that was counted
                 self._calls += 1
+            param_hooks.accumulate(entry.host, hooked, len(result.losses))
 
         # On the optimizer thread: an interrupt of the caller cannot tear the commit.
         self._optimizer.run(commit)
@@ -732,6 +747,8 @@ class RoundPipe:
             record = cfg.requires_grad if cfg.requires_grad is not None \
                 else torch.is_grad_enabled()
             entry, flat, mbs = self._prepare(tuple(args), dict(kwargs), cfg, record)
+            if record:  # refused now rather than at backward(), where they are read again
+                self._hooks(entry, per_microbatch=False)
             if record and callable(cfg.merge_output):
                 raise ConfigError(
                     "a callable merge_output cannot be differentiated through; use a merge "
@@ -770,15 +787,18 @@ class RoundPipe:
             assert stash[0] is not None  # PipelinedFunction runs one backward per call
             self._check_open()
             with self._lock, self._replica_call() as dp_call:
+                # eager's reference is one backward of the whole batch: hooks run once
+                hooks = self._hooks(entry, per_microbatch=False)
                 on_grads = (dp_call.bind(entry.host, entry.plan.program.units)
                             if dp_call else None)
                 result = entry.executor.backward(
                     stash[0], output_grads, grain=cfg.recompute_grain, keys=keys,
-                    fence_version=version, autocast=autocast, on_grads=on_grads)
+                    fence_version=version, autocast=autocast, on_grads=on_grads,
+                    hooks=hooks)
                 self._optimizer.wait()
                 if dp_call is not None:  # all-reduced across replicas before anything commits
                     dp_call.complete(result, None)
-                self._finish(entry, result, count_call=False)
+                self._finish(entry, result, count_call=False, hooks=hooks)
                 if dp_call is not None:
                     self._sync_replica_buffers(entry)
             stash[0] = None

@@ -28,6 +28,12 @@ class ModelError(RoundPipeError, ValueError):
     """The model cannot be pipelined as given (for example, it has no parameters)."""
 
 
+class ParameterHookError(ModelError):
+    """A hook registered on a parameter (``register_hook``,
+    ``register_post_accumulate_grad_hook``) cannot run where and as often as eager
+    PyTorch runs it; refused before the call runs."""
+
+
 class TraceError(RoundPipeError, RuntimeError):
     """Neither ``torch.export`` nor the ``torch.fx`` fallback could trace the model."""
 
@@ -114,6 +120,7 @@ __all__ = [
     "ConfigError",
     "UnknownConfigFieldError",
     "ModelError",
+    "ParameterHookError",
     "TraceError",
     "PartitionError",
     "InputError",

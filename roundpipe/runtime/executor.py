@@ -50,6 +50,7 @@ from .grad_flow import live_nodes
 from .grad_landing import GradLanding
 from .host_state import HostView
 from .job_runner import JobRunner
+from .param_hooks import NO_HOOKS, HookPlan
 from .jobs import Job, plan_jobs
 from ..ops.rng import RngKey
 
@@ -144,6 +145,9 @@ class RunResult:
     grad_norms: dict[str, torch.Tensor] = field(default_factory=dict)
     # Per microbatch, the values asked for with ``keep`` (an output tail's inputs).
     values: list[dict[str, Any]] = field(default_factory=list)
+    # Slot -> (microbatch, unit, gradient) of the parameters whose hooks need each
+    # microbatch's gradient (HookPlan.per_microbatch), in the parameter's dtype.
+    mb_grads: dict[str, list[tuple[int, int, torch.Tensor]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -196,6 +200,8 @@ class _Call:
     t0: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     keep: frozenset[str] = frozenset()  # more values returned per microbatch (RunResult.values)
+    hooks: HookPlan = NO_HOOKS  # where the parameters' autograd hooks run
+    mb_grads: dict[str, list[tuple[int, int, torch.Tensor]]] = field(default_factory=dict)
 
 
 class Executor:
@@ -238,17 +244,19 @@ class Executor:
               fence_version: int, autocast: tuple[str, torch.dtype] | None = None,
               nonfinite_loss_ok: bool = False,
               on_grads: Callable[..., None] | None = None,
-              keep: frozenset[str] = frozenset()) -> RunResult:
+              keep: frozenset[str] = frozenset(), hooks: HookPlan = NO_HOOKS) -> RunResult:
         """Forward stages, fused tail (loss + backward), backward stages.
 
         A NaN or infinite loss raises :class:`LossError` (nothing is committed) unless
         ``nonfinite_loss_ok`` (a GradScaler skips the step instead).  ``on_grads`` sees
-        each unit's staged parameter gradients as soon as they are final (see ``_Call``)."""
+        each unit's staged parameter gradients as soon as they are final (see ``_Call``).
+        ``hooks``: where the parameters' autograd hooks run (runtime/param_hooks.py)."""
         call = self._new_call("train", inputs, labels, loss_fn, grain, want_outputs, keys,
                               fence_version, autocast=autocast)
         call.nonfinite_loss_ok = nonfinite_loss_ok
         call.on_grads = on_grads
         call.keep = keep
+        call.hooks = hooks
         return self._run(self._jobs(call, stash_for_backward=False), call)
 
     def forward(self, inputs: list[dict[str, Any]], *, record: bool, grain: str,
@@ -272,7 +280,8 @@ class Executor:
     def backward(self, stash: Stash | list[dict[str, Any]], output_grads: list[dict[str, Any]], *,
                  grain: str, keys: list[RngKey | None], fence_version: int,
                  autocast: tuple[str, torch.dtype] | None = None,
-                 on_grads: Callable[..., None] | None = None) -> RunResult:
+                 on_grads: Callable[..., None] | None = None,
+                 hooks: HookPlan = NO_HOOKS) -> RunResult:
         """Backward of a recorded :meth:`forward`: the tail recomputes like a backward
         stage, then the backward stages run."""
         call = self._new_call("backward", [dict(s) for s in stash], [None] * len(stash), None,
@@ -280,6 +289,7 @@ class Executor:
                               autocast=autocast)
         call.state = dict(getattr(stash, "state", {}))
         call.on_grads = on_grads
+        call.hooks = hooks
         for mb, grads in enumerate(output_grads):
             call.grads[mb].update(grads)
         return self._run(self._jobs(call, stash_for_backward=False), call)
@@ -398,8 +408,9 @@ class Executor:
             wall_s=time.perf_counter() - call.t0,
             started_at=call.t0,
             grad_bytes={self.host.specs[slot].fqn: sum(g.numel() * g.element_size()
-                                                       for _, g in grads)
-                        for slot, grads in call.param_grads.items()},
+                                                       for *_, g in grads)
+                        for slot, grads in (*call.param_grads.items(),
+                                            *call.mb_grads.items())},
             stage_peak_bytes=self._stage_peaks(jobs),
         )
         outputs = None
@@ -427,7 +438,9 @@ class Executor:
                          grads_owned=frozenset(owned), values=values,
                          grads_holdable=frozenset(s for s in call.in_place
                                                   if len(param_grads.get(s, ())) == 1),
-                         grad_norms=dict(call.grad_norms))
+                         grad_norms=dict(call.grad_norms),
+                         mb_grads={s: sorted(g, key=lambda c: c[:2])
+                                   for s, g in call.mb_grads.items()})
 
     def _stage_peaks(self, jobs: list[Job]) -> dict[int, int]:
         """Each measured job's own peak, by stage (owners are job indices)."""

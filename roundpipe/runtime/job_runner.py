@@ -77,14 +77,19 @@ class JobRunner:
             for unit in self.units:
                 for s in unit.state:
                     users[s] = users.get(s, 0) + 1
+            hooks = call.hooks.on_device
             for unit in self.units:
                 for s in unit.state:
                     if s in call.carries and ex.host.trainable(s):
                         base = self.state[s]
                         # A parameter read by several units gets one leaf per unit, so its
                         # gradient is accumulated per unit (device-count invariant).
-                        leaf = base if users[s] == 1 else base.detach()
+                        leaf = base if users[s] == 1 and s not in hooks else base.detach()
                         leaf.requires_grad_(True)
+                        # The user's tensor hooks on the parameter: each microbatch's
+                        # backward calls them on its gradient before it accumulates.
+                        for hook in hooks.get(s, ()):
+                            leaf.register_hook(hook)
                         self.param_leaves[(unit.index, s)] = leaf
 
     def _state_args(self, unit: UnitProgram) -> list[torch.Tensor]:
@@ -127,6 +132,7 @@ class JobRunner:
             self.handed.add((uid, slot))
             staged.append((slot, uid, host))
             if self.call.on_grads is None and self.ex._readers[slot] == 1 and \
+                    slot not in self.call.hooks.at_commit and \
                     self.ex.host.lands_in_place(slot):
                 in_place.add(slot)
                 norm = _grad_norm(leaf.grad) if self.call.measure_norms else None
@@ -137,7 +143,8 @@ class JobRunner:
         # the commit into a new tensor anyway: converting each contribution first would
         # only hold more full-precision copies.
         single = [(slot, uid, g) for slot, uid, g in staged
-                  if self.ex._readers[slot] == 1 and slot not in in_place]
+                  if self.ex._readers[slot] == 1 and slot not in in_place
+                  and slot not in self.call.hooks.at_commit]
         if single and self._converts():
             landed = self.device.after_downloads()
             with self.device.memory.host():  # the masters' dtype: made on first use
@@ -379,7 +386,22 @@ class JobRunner:
             leaf = leaves.pop((unit.index, v), None)
             if leaf is not None and leaf.grad is not None:
                 self._add_grad(mb, v, leaf.grad, acc)
+        self._download_microbatch_grads(unit, mb)
         self._hand_over(unit, mb)
+
+    def _download_microbatch_grads(self, unit: UnitProgram, mb: int) -> None:
+        """The gradients whose hooks need each microbatch's (HookPlan.per_microbatch) go
+        to the host now, and the leaf starts the next microbatch from none."""
+        per_mb = self.call.hooks.per_microbatch
+        if not per_mb:
+            return
+        for slot in unit.state:
+            leaf = self.param_leaves.get((unit.index, slot))
+            if slot in per_mb and leaf is not None and leaf.grad is not None:
+                host = self.device.download(leaf.grad, "grads")
+                leaf.grad = None
+                with self.call.lock:
+                    self.call.mb_grads.setdefault(slot, []).append((mb, unit.index, host))
 
     def _host_grad(self, mb: int, name: str) -> Any:
         g = self.call.grads[mb].get(name)

@@ -1,0 +1,240 @@
+"""Autograd hooks registered on a model's parameters, run as eager PyTorch runs them.
+
+Eager runs a parameter's tensor hooks (``p.register_hook(fn)``) once per backward, on the
+gradient that backward computed for ``p`` (every use summed), before adding it to
+``p.grad``; then its post-accumulate-grad hooks (``p.register_post_accumulate_grad_hook``)
+with ``p.grad`` holding the sum.  What one backward is depends on the front end:
+
+* ``forward_backward`` is compared with eager's per-microbatch loop: one backward per
+  microbatch.  The tensor hooks of a parameter read by one layer unit run on the device,
+  on that unit's leaf, whose gradient there is the microbatch's whole gradient (nothing
+  more is moved).  A hooked parameter read by several units (tied weights, a shared
+  layer), or one with post-accumulate hooks, has its gradient downloaded per (microbatch,
+  unit) instead; the commit folds each microbatch's contributions in descending unit order
+  (the same fold whatever the device count), runs the tensor hooks on that sum, adds it to
+  ``.grad`` and runs the post-accumulate hooks, microbatch after microbatch.  A hook that
+  is not linear in the gradient (a clamp) is therefore exact: it never sees a sum over
+  microbatches.
+* ``loss.backward()`` through ``pipe(x)`` is one backward of the whole batch: the commit
+  folds each hooked parameter's contributions (summed over microbatches on the device) and
+  runs its hooks once.
+* The ``torch.compile`` backend returns parameter gradients to autograd, which runs the
+  hooks itself.
+
+Hooks are read when a call (or a backward) starts, so hooks registered or removed between
+calls take effect at the next one.  Tensor hooks run on gradients in the parameter's
+dtype, as in eager; with ``optim_dtype`` masters the result is converted and accumulated
+on the master.  Refused (:class:`~roundpipe.errors.ParameterHookError`): post-accumulate
+hooks with masters (``p.grad`` stays None there: the gradient accumulates on the master),
+hooks on the masters themselves, and hooks the commit would run under data parallelism
+(eager DDP runs them before the all-reduce).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..errors import ParameterHookError
+from ..plan import ModelProgram
+from .host_state import HostState, fold_unit_grads
+from .masters import raw_grad, set_raw_grad
+
+Hook = Callable[..., Any]
+
+
+def tensor_hooks(t: torch.Tensor) -> tuple[Hook, ...]:
+    """``t.register_hook`` hooks, in the order autograd calls them."""
+    hooks = getattr(t, "_backward_hooks", None)
+    return tuple(hooks.values()) if hooks else ()
+
+
+def post_accumulate_hooks(t: torch.Tensor) -> tuple[Hook, ...]:
+    """``t.register_post_accumulate_grad_hook`` hooks, in the order autograd calls them."""
+    hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+    return tuple(hooks.values()) if hooks else ()
+
+
+@dataclass(frozen=True)
+class HookPlan:
+    """Where one call runs the hooks of its parameters (keyed by state slot)."""
+
+    # slot -> tensor hooks registered on the unit's leaf on the device (each microbatch's
+    # backward calls them on that microbatch's gradient, before it accumulates)
+    on_device: Mapping[str, tuple[Hook, ...]] = field(default_factory=dict)
+    # slots whose gradients are downloaded per (microbatch, unit), not accumulated
+    per_microbatch: frozenset[str] = frozenset()
+    # slots whose gradients reach the commit in the parameter's dtype, unconverted: the
+    # commit runs their hooks (tensor hooks not run on the device, post-accumulate hooks)
+    at_commit: frozenset[str] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.on_device or self.per_microbatch or self.at_commit)
+
+
+NO_HOOKS = HookPlan()
+
+
+def plan_hooks(host: HostState, program: ModelProgram, *, per_microbatch: bool,
+               data_parallel: bool = False) -> HookPlan:
+    """The hooks of ``program``'s trainable parameters as they are now.  With
+    ``per_microbatch`` (``forward_backward``) each microbatch is one backward; otherwise
+    the whole call is.  Raises :class:`ParameterHookError` for what cannot be exact."""
+    state = host.shared
+    _refuse_master_hooks(state)
+    readers = collections.Counter(s for u in program.units for s in u.state)
+    on_device: dict[str, tuple[Hook, ...]] = {}
+    per_mb: set[str] = set()
+    at_commit: set[str] = set()
+    for slot, spec in host.specs.items():
+        if not host.trainable(slot):
+            continue
+        param = host.tensors[slot]
+        hooks, post = tensor_hooks(param), post_accumulate_hooks(param)
+        if not (hooks or post):
+            continue
+        if post and state.has_masters:
+            raise ParameterHookError(
+                f"parameter {spec.fqn!r} has a post-accumulate-grad hook, but with "
+                f"optim_dtype={state.optim_dtype} its gradient accumulates on its master "
+                "(pipe.optim_parameters()), never on the parameter, whose .grad stays None. "
+                "Do that work on the masters' .grad in the function you pass to pipe.step "
+                "(it runs once the call's gradients are summed), or use optim_dtype=None "
+                "(the parameters are then the masters and their hooks run as in eager)")
+        if per_microbatch and hooks and readers[slot] == 1:
+            on_device[slot] = hooks
+        if per_microbatch and (post or (hooks and readers[slot] > 1)):
+            per_mb.add(slot)
+            at_commit.add(slot)
+        elif not per_microbatch:
+            at_commit.add(slot)
+    if data_parallel and at_commit:
+        name = host.specs[sorted(at_commit)[0]].fqn
+        raise ParameterHookError(
+            f"parameter {name!r} has hooks that roundpipe runs on the host when it commits "
+            "the gradients (post-accumulate-grad hooks, tensor hooks of a parameter read by "
+            "several layers, or any hook under pipe(x) + backward()); under data "
+            "parallelism the commit follows the all-reduce, where eager DDP runs them "
+            "before it. Remove the hooks, or apply them in the function passed to "
+            "pipe.step")
+    return HookPlan(on_device, frozenset(per_mb), frozenset(at_commit))
+
+
+def _refuse_master_hooks(state: Any) -> None:
+    if not state.has_masters:
+        return  # the masters are the parameters
+    for name, master in state.masters().items():
+        if tensor_hooks(master) or post_accumulate_hooks(master):
+            raise ParameterHookError(
+                f"the master of {name!r} (pipe.optim_parameters()) has a hook; gradients "
+                "are written to the masters, not computed by autograd there, so it would "
+                "never run. Register tensor hooks on the model's parameter (they run on "
+                "each backward's gradient in the model's dtype), or do the work in the "
+                "function passed to pipe.step")
+
+
+@dataclass
+class _Hooked:
+    name: str                    # the parameter's name (the masters' key)
+    param: torch.Tensor          # the model's parameter, which holds the hooks
+    totals: list[tuple[int, torch.Tensor]]  # (backward, gradient after its tensor hooks)
+    post: tuple[Hook, ...]
+
+
+def run_tensor_hooks(host: HostState, plan: HookPlan,
+                 param_grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
+                 mb_grads: Mapping[str, Sequence[tuple[int, int, torch.Tensor]]]
+                 ) -> tuple[dict[str, Sequence[tuple[int, torch.Tensor]]], list[_Hooked]]:
+    """The first half of a commit, before anything is written: the gradients the
+    commit adds as usual, and for each parameter the commit hooks, its per-backward
+    gradients with its tensor hooks applied (an error in a hook commits nothing)."""
+    rest = {s: g for s, g in param_grads.items() if s not in plan.at_commit}
+    hooked: list[_Hooked] = []
+    # In backward order: a parameter's gradient is complete once the backward passed
+    # the first unit that reads it.
+    first_reader = {s: min(uid for uid, _ in g) for s, g in param_grads.items()}
+    for s, g in mb_grads.items():
+        first_reader[s] = min(uid for _, uid, _ in g)
+    for slot in sorted(plan.at_commit, key=lambda s: (-first_reader.get(s, -1), s)):
+        if slot in plan.per_microbatch:
+            by_mb: dict[int, list[tuple[int, torch.Tensor]]] = {}
+            for mb, uid, g in mb_grads.get(slot, ()):
+                by_mb.setdefault(mb, []).append((uid, g))
+            groups = sorted(by_mb.items())
+        else:
+            groups = [(0, list(param_grads[slot]))] if slot in param_grads else []
+        if not groups:
+            continue
+        param = host.tensors[slot]
+        hooks = () if slot in plan.on_device else tensor_hooks(param)
+        dtype = host.grad_dtype(slot)
+        totals = []
+        with torch.no_grad():
+            for backward, group in groups:
+                # summed in the parameter's dtype, as autograd sums its uses
+                grad = folded = fold_unit_grads(group, fresh=True)
+                for hook in hooks:
+                    out = hook(grad)
+                    if out is not None:
+                        _check_hook_result(host.specs[slot].fqn, grad, out)
+                        grad = out
+                # .grad never aliases a tensor a hook returned and may still hold
+                totals.append((backward, grad.to(dtype, copy=grad is not folded)))
+        hooked.append(_Hooked(host.specs[slot].fqn, param, totals,
+                              post_accumulate_hooks(param)))
+    return rest, hooked
+
+
+def _check_hook_result(name: str, grad: torch.Tensor, out: Any) -> None:
+    if not isinstance(out, torch.Tensor) or out.shape != grad.shape:
+        raise ParameterHookError(
+            f"a hook of parameter {name!r} returned "
+            + (f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+               else f"a {type(out).__name__}")
+            + f" for a gradient of shape {tuple(grad.shape)}; a tensor hook must return "
+            "None or a tensor of the gradient's shape")
+
+
+def accumulate(host: HostState, hooked: list[_Hooked], num_backwards: int) -> None:
+    """The second half: add each backward's gradient to ``.grad`` in backward order,
+    running the post-accumulate hooks after each addition (``.grad`` holds the running
+    sum, as in eager)."""
+    state = host.shared
+    backwards = sorted({b for h in hooked for b, _ in h.totals})
+    with torch.no_grad():
+        for h in hooked:  # a gradient held from the last call comes first
+            master = state.master(h.name)
+            pending = state.landed.take(h.name, master.dtype)
+            if pending is not None:
+                _add(master, pending)
+        for backward in backwards:
+            for h in hooked:
+                grad = next((g for b, g in h.totals if b == backward), None)
+                if grad is None:
+                    continue
+                master = state.master(h.name)
+                _add(master, grad)
+                for hook in h.post:
+                    version = h.param._version
+                    hook(h.param)
+                    if h.param._version != version and backward < num_backwards - 1:
+                        raise ParameterHookError(
+                            f"a post-accumulate-grad hook of parameter {h.name!r} wrote the "
+                            f"parameter after microbatch {backward} (an optimizer step in "
+                            "backward?). Eager's next microbatch would compute with the new "
+                            "value; roundpipe computed every microbatch before the hooks "
+                            "ran, so the result would differ (the hook's write is kept; "
+                            "this call's later gradients are not committed). Update the "
+                            "parameters in the function passed to pipe.step, or use "
+                            "num_microbatch=1")
+
+
+def _add(master: torch.Tensor, grad: torch.Tensor) -> None:
+    current = raw_grad(master)
+    if current is None:
+        set_raw_grad(master, grad)
+    else:
+        current += grad  # in place, as AccumulateGrad adds to an existing .grad
