@@ -3,8 +3,10 @@ export's leaf modules)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -26,7 +28,28 @@ def call_module_functional(module: torch.nn.Module, state: dict[str, torch.Tenso
     return _twin(module, state)(*args, **kwargs)
 
 
+_REHEARSAL = threading.local()
+
+# Module hooks that only a backward runs: a rehearsal's backward (the memory model's
+# replay on fake tensors) must not call them, since eager never runs that backward.
+_BACKWARD_HOOK_TABLES = ("_backward_hooks", "_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def rehearsal() -> Iterator[None]:
+    """Opaque modules called in this thread meanwhile run without their module backward
+    hooks: the compiler's fake-tensor rehearsals of a job (``passes/memory.py``) run
+    backwards that eager never runs, and a user's hook must see only eager's calls."""
+    before = getattr(_REHEARSAL, "on", False)
+    _REHEARSAL.on = True
+    try:
+        yield
+    finally:
+        _REHEARSAL.on = before
+
+
 def _twin(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    quiet = getattr(_REHEARSAL, "on", False)
     twins: dict[int, torch.nn.Module] = {}  # a submodule reached twice is one twin
     by_path: dict[str, torch.nn.Module] = {}
 
@@ -42,6 +65,10 @@ def _twin(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.M
             for table in _TABLES:
                 if table in attrs:
                     attrs[table] = attrs[table].copy()
+            if quiet:
+                for table in _BACKWARD_HOOK_TABLES:
+                    if attrs.get(table):
+                        attrs[table] = type(attrs[table])()
             # Methods set on the instance (``m.forward = MethodType(f, m)``: TRL's fused
             # LM head, accelerate's wrappers) would run on ``m`` and its host weights:
             # bound to the twin, they read the device's.

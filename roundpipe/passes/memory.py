@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..ops.modcall import rehearsal
 from ..ops.rng import RngKey
 from ..ops.storage_ledger import StorageLedger
 from ..plan import ModelProgram, UnitProgram
@@ -148,7 +149,7 @@ class MemoryModel:
         gradients), on fake tensors under a fresh ledger."""
         units = self.program.units[start:stop]
         ledger = StorageLedger("cpu", block_bytes=self.block_bytes)
-        with self.fake_mode:
+        with self.fake_mode, rehearsal():
             state = {}
             for slot in {s for u in units for s in u.state}:
                 weight = torch.empty_like(self.state[slot])  # uploaded: counted apart
