@@ -48,6 +48,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
 from ..ops.modcall import call_module_functional, tensor_leaves
+from .forward_hooks import watch_forward_hooks
 from .custom_backward import CustomBackwardFunction, refuse_custom_backward
 from .leaves import (WRITES, failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
@@ -141,10 +142,20 @@ def trace(
     # One trace at a time: export, and the block sharing inside it, patch nn.Module
     # process-wide while they run.
     with _TRACE_LOCK, torch.set_grad_enabled(grad):
-        with _watch_buffer_reassignment(model) as reassigned:
+        with _watch_buffer_reassignment(model) as reassigned, \
+                watch_forward_hooks(model) as hooks_watch:
             traced = _trace(model, example_args, example_kwargs, leaf_modules=leaf_modules,
                             opaque_modules=opaque_modules, dynamic=dynamic,
                             share_blocks=share_blocks)
+        if hooks_watch.found:
+            hooks = "; ".join(k.describe() for k in hooks_watch.found)
+            raise ModelError(
+                f"{hooks} keeps a tensor of the call (an activation, or a value computed "
+                "from one) after the call returns: the traced program runs the hook's tensor "
+                "work but not its Python, so it would hold a fake tensor from tracing and "
+                "never see a real call (eager stores each call's value). Return what you "
+                "need from forward (and read it in loss_fn), or remove the hook while "
+                "training with roundpipe")
         if reassigned:
             where = ", ".join(sorted(reassigned))
             raise ModelError(
