@@ -749,6 +749,17 @@ class RoundPipe:
             entry, flat, mbs = self._prepare(tuple(args), dict(kwargs), cfg, record)
             if record:  # refused now rather than at backward(), where they are read again
                 self._hooks(entry, per_microbatch=False)
+            hooks = entry.plan.program.tensor_hooks
+            if record and len(mbs) > 1 and hooks:
+                raise ModelError(
+                    f"{type(self.model).__name__}'s forward registers a tensor hook in "
+                    f"{hooks[0]}; split into {len(mbs)} microbatches, a hook runs once "
+                    "per microbatch on that microbatch's gradient, where eager PyTorch "
+                    "runs it once on the whole batch's (a hook that counts, or mixes "
+                    "samples, would differ). Ways out: num_microbatch=1 for this call "
+                    "(RoundPipeRunConfig(num_microbatch=1), exact), or "
+                    "forward_backward(), which is eager's per-microbatch loop by "
+                    "definition")
             if record and callable(cfg.merge_output):
                 raise ConfigError(
                     "a callable merge_output cannot be differentiated through; use a merge "

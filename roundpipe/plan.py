@@ -126,6 +126,9 @@ class ModelProgram:
     buffer_updates: tuple[tuple[str, str], ...] = ()
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
     trace_method: str = "export"
+    # Where the forward registers tensor hooks (module and source line): each runs once
+    # per microbatch and backward, as in eager's per-microbatch loop.
+    tensor_hooks: tuple[str, ...] = ()
 
     def state_by_name(self) -> dict[str, StateSpec]:
         return {s.name: s for s in self.state}

@@ -11,6 +11,8 @@ from typing import Any, Iterator
 import torch
 import torch.utils._pytree as pytree
 
+from .hooks import registers_hooks, skipping_graphless_hooks
+
 
 def call_module_functional(module: torch.nn.Module, state: dict[str, torch.Tensor],
                            *args: Any, **kwargs: Any) -> Any:
@@ -24,7 +26,14 @@ def call_module_functional(module: torch.nn.Module, state: dict[str, torch.Tenso
     the tensors of the one shared module in place, and concurrent calls left the model
     holding device copies), and the user may read the model meanwhile.  Attributes the
     module's forward sets (caches) stay on the twin.
+
+    A module whose forward registers tensor hooks runs where a forward job's ``no_grad``
+    would make the registration fail: such registrations are skipped there (see
+    :mod:`roundpipe.ops.hooks`).
     """
+    if registers_hooks(module):
+        with skipping_graphless_hooks():
+            return _twin(module, state)(*args, **kwargs)
     return _twin(module, state)(*args, **kwargs)
 
 

@@ -72,6 +72,7 @@ def generate_unit_programs(traced: TracedGraph, layers: LayerAssignment,
         buffer_updates=traced.buffer_updates,
         constants=dict(traced.constants),
         trace_method=traced.method,
+        tensor_hooks=traced.tensor_hooks,
     )
 
 

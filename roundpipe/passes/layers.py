@@ -34,6 +34,7 @@ import torch
 import torch.fx
 
 from ..plan import LayerUnit
+from .tensor_hooks import HOOKED
 from .trace import (HIDDEN_WRITES, MODULE_PATH, MUTATES as MUTATES_KEY, TracedGraph,
                     alias_root, any_alias_root, normalize_module_path)
 
@@ -428,14 +429,23 @@ def _written_by(node: torch.fx.Node, placeholders: dict[str, torch.fx.Node]
 def _merge_cross_unit_writes(
     runs: list[tuple[str | None, list[torch.fx.Node]]]
 ) -> list[tuple[str | None, list[torch.fx.Node]]]:
-    """Merge units so that no node writes in place to a value another unit defined.
+    """Merge units so that no node writes in place to a value another unit defined, or
+    registers a tensor hook on one.
 
-    Units exchange values as copies, so an in-place write must stay with the definition.
+    Units exchange values as copies, so an in-place write (or a hook) must stay with the
+    definition.
     """
     run_of = {n: i for i, (_, ns) in enumerate(runs) for n in ns}
     reach = list(range(len(runs)))  # reach[i]: the first run that run i must merge with
     for i, (_, run_nodes) in enumerate(runs):
         for node in run_nodes:
+            # A tensor hook sees the value's whole gradient only where the value's
+            # readers all are: another unit holds a copy, whose gradient is that unit's
+            # share (a value read by this unit alone can be hooked here, on its copy).
+            for value in node.meta.get(HOOKED, ()):
+                if value in run_of and run_of[value] < i and any(
+                        run_of.get(u) != i for u in value.users if u is not node):
+                    reach[i] = min(reach[i], run_of[value])
             bases = node.meta.get(WRITES)
             if bases is None and (node.op == "call_method" or (
                     node.op == "call_function" and not hasattr(node.target, "_schema"))):

@@ -37,7 +37,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..errors import ConfigError, ModelError
+from ..ops.hooks import mark_hooking
 from ..ops.modcall import call_module_functional, tensor_leaves
+from .tensor_hooks import HOOKED, dummy_handle, intercept_register_hook
 
 LEAF_PREFIX = "_leaf_"
 
@@ -66,6 +68,10 @@ class _Site:
     state_names: tuple[str, ...] = ()
     # indices (among the tensor inputs) the real run saw the leaf write in place
     written_inputs: tuple[int, ...] = ()
+    # where the real run saw the leaf's Python register tensor hooks, and on which of its
+    # tensor inputs (indices) it registered them
+    hooks: tuple[str, ...] = ()
+    hooked_inputs: tuple[int, ...] = ()
 
 
 WRITES = "roundpipe.writes"  # layers.WRITES (layers imports this module through trace)
@@ -163,6 +169,25 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
     handles = []
     state = _model_state(model)
     before: dict[str, list[tuple[str, torch.Tensor, int]]] = {}
+    running: list[str] = []  # the leaves whose forward is running, innermost last
+    hooks: dict[str, list[tuple[str, int | None]]] = {}  # path -> (line, hooked input)
+    state_names = {id(t): n for n, t in reversed(state)}
+
+    def on_register(tensor: torch.Tensor, hook: Any, line: str) -> Any:
+        """A leaf's Python registers a tensor hook (it runs so at run time too, see
+        ops/hooks.py); nothing is registered on this run's tensors."""
+        if running:
+            path = running[-1]
+            if id(tensor) in state_names:
+                raise ModelError(
+                    f"the opaque (leaf) module {path} registers a tensor hook on "
+                    f"{state_names[id(tensor)]} in its forward ({line}); each call would "
+                    "register it again on the model's own tensor (eager PyTorch then runs "
+                    "it once per call made so far). Register it once, outside the forward")
+            inputs = before.get(path + "#inputs", ())
+            hooked = next((int(i) for i, t, _ in inputs if t is tensor), None)
+            hooks.setdefault(path, []).append((line, hooked))
+        return dummy_handle()
     for path in leaves:
         own = {id(t) for _, t in _model_state(model.get_submodule(path))}
         outside = [(n, t) for n, t in state if id(t) not in own]
@@ -176,9 +201,11 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
                        if isinstance(x, torch.Tensor)]
             before[path + "#inputs"] = [(str(i), t, _version(t))
                                         for i, t in enumerate(tensors)]
+            running.append(path)
 
         def hook(module: torch.nn.Module, inputs: Any, kw: Any, output: Any,
                  path: str = path) -> None:
+            running.pop()
             inputs_seen = before.pop(path + "#inputs", ())
             written_inputs = tuple(int(i) for i, t, version in inputs_seen
                                    if _version(t) != version)
@@ -205,8 +232,11 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
             flat, spec = pytree.tree_flatten(output)
             leaves_meta = [_TensorMeta(tuple(x.shape), x.stride(), x.dtype, x.device)
                            if isinstance(x, torch.Tensor) else x for x in flat]
-            calls[path].append(_Site(path, spec, leaves_meta,
-                                     written_inputs=written_inputs))
+            registered = hooks.pop(path, [])
+            calls[path].append(_Site(
+                path, spec, leaves_meta, written_inputs=written_inputs,
+                hooks=tuple(line for line, _ in registered),
+                hooked_inputs=tuple(sorted({i for _, i in registered if i is not None}))))
         module = model.get_submodule(path)
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -216,7 +246,8 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
 
     saved = {n: t.detach().clone() for n, t in kept()}
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                intercept_register_hook(on_register):
             model(*args, **kwargs)
     finally:
         for h in handles:
@@ -266,7 +297,8 @@ def leaves_as_custom_ops(model: torch.nn.Module, leaves: tuple[str, ...],
             template = recorded[counters[path] % len(recorded)]
             counters[path] += 1
             site = _Site(path, template.out_spec, template.out_leaves,
-                         written_inputs=template.written_inputs)
+                         written_inputs=template.written_inputs, hooks=template.hooks,
+                         hooked_inputs=template.hooked_inputs)
             sid = next(_NEXT_SITE)
             _SITES[sid] = site
             used[sid] = site
@@ -380,6 +412,14 @@ def replace_opaque_calls(gm: torch.fx.GraphModule, model: torch.nn.Module,
             outs = graph.call_function(tensor_leaves, (call,))
         for new in (ref, call, outs):
             new.meta = dict(node.meta)
+        if site.hooks:
+            # Its Python registers tensor hooks: skipped where no backward will run
+            # (forward jobs), kept with the unit that makes the inputs it hooks.
+            mark_hooking(model.get_submodule(site.path))
+            hooked = [tensors[i] for i in site.hooked_inputs
+                      if isinstance(tensors[i], torch.fx.Node)]
+            if hooked:
+                call.meta[HOOKED] = tuple(hooked)
         if site.written_inputs:
             # The leaf writes these inputs in place (seen in the real run): ``layers``
             # keeps it with the unit that made them, as for any in-place write, and the

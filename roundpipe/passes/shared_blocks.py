@@ -45,8 +45,13 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from .block_keys import (WRAPPER_MARK, attribute_key, fingerprint, has_symbolic_size,
                          input_key, outside_export, state_layout)
 from .leaves import replaced_forward
+from .tensor_hooks import TENSOR_HOOK_OP
 
 log = logging.getLogger(__name__)
+
+
+class HookedBlock(Exception):
+    """A block to copy registers a tensor hook (export again without sharing)."""
 
 
 class SharingFailed(Exception):
@@ -491,6 +496,8 @@ def splice_blocks(gm: torch.fx.GraphModule, sites: dict[int, _Site],
     Raises:
         SharingFailed: a traced block's nodes are read outside it (the graph then cannot be
             copied safely; export again without sharing).
+        HookedBlock: a traced block registers a tensor hook (export again without
+            sharing).
     """
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -538,6 +545,10 @@ def splice_blocks(gm: torch.fx.GraphModule, sites: dict[int, _Site],
                                 "passed and does not hold")
 
         region = regions[rep_sid]
+        if any(n.op == "call_function" and n.target is TENSOR_HOOK_OP for n in region):
+            # The hook's function is the traced block's (a closure over its module, say):
+            # each block registers its own, so each is traced.
+            raise HookedBlock(f"block {rep.path} registers a tensor hook")
         members = set(region)
         with graph.inserting_before(call):
             for node in region:

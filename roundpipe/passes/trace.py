@@ -47,6 +47,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
+from ..ops.hooks import mark_hooking
 from ..ops.modcall import call_module_functional, tensor_leaves
 from .forward_hooks import watch_forward_hooks
 from .custom_backward import CustomBackwardFunction, refuse_custom_backward
@@ -57,6 +58,8 @@ from .mode_regions import (MODES, export_keeps_mode_calls, fx_records_grad_mode,
                            inference_mode_as_no_grad, inline_mode_regions, mark_mode_regions)
 from .shared_blocks import (SharingFailed, add_hidden_state, repeated_groups, shared_blocks,
                             splice_blocks)
+from .tensor_hooks import (HOOKED, carry_hooks, code_registers_hooks, recorded_hooks,
+                           refuse_hooked_placeholder)
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,8 @@ class TracedGraph:
         leaves: paths of the modules export kept opaque (``"export-leaves"``).
         copied: paths of the repeated blocks whose nodes are copies of another block's
             trace (they compute the same; see :mod:`roundpipe.passes.shared_blocks`).
+        tensor_hooks: where the forward registers tensor hooks (module and source line),
+            each run once per microbatch (see :mod:`roundpipe.passes.tensor_hooks`).
     """
 
     graph_module: torch.fx.GraphModule
@@ -101,6 +106,7 @@ class TracedGraph:
     notes: tuple[str, ...] = ()
     leaves: tuple[str, ...] = ()
     copied: tuple[str, ...] = ()
+    tensor_hooks: tuple[str, ...] = ()
 
 
 def trace(
@@ -269,8 +275,9 @@ def _backward_hooked_modules(model: torch.nn.Module) -> tuple[str, ...]:
                  f"{type(model).__name__} itself has a module backward hook")
         raise ModelError(
             f"{where}: roundpipe cannot run them as eager does (the traced graph would "
-            "drop them); register them on a submodule (kept opaque, so its hooks run) or "
-            "use tensor hooks (Tensor.register_hook) instead")
+            "drop them); register them on a submodule (kept opaque, so its hooks run), "
+            "or register a tensor hook in the forward on a value it computes "
+            "(h.register_hook(fn), which roundpipe runs where eager does)")
     return tuple(name for name, m in model.named_modules()
                  if name and (m._backward_hooks or m._backward_pre_hooks))
 
@@ -343,7 +350,8 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
                   shared: tuple[str, ...] = (), hide_state: bool = False) -> TracedGraph:
     hook = model.register_forward_hook(_register_output_dataclasses)
     try:
-        with leaves_as_custom_ops(model, leaves, args, kwargs) as sites, \
+        with recorded_hooks(model) as hook_sites, \
+                leaves_as_custom_ops(model, leaves, args, kwargs) as sites, \
                 shared_blocks(model, shared, hide_state) as blocks, _packed_forward(model):
             # The model is called as model((args, kwargs)): export then never binds
             # (args, kwargs) to a forward(*args, **kwargs) signature itself, which in torch
@@ -468,6 +476,19 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             written += [r for r in _written_roots(node) if r in buffer_slots]
             if written:
                 node.meta[MUTATES] = tuple(sorted(set(written)))
+    # Tensor hooks the forward registers: carried into the program (traced code) or run
+    # by the module's own Python (opaque modules).
+    hooked_state = {s.name: s.fqn for s in state if s.kind != "constant"}
+    tensor_hooks = carry_hooks(model, gm, hook_sites, hooked_state,
+                               {n.name for n in user_inputs})
+    for node in graph.nodes:
+        if node.target is call_module_functional:  # an opaque module hooking its inputs
+            for value in node.meta.get(HOOKED, ()):
+                refuse_hooked_placeholder(
+                    model, value, f"the opaque module {node.meta.get(MODULE_PATH)}",
+                    hooked_state, {n.name for n in user_inputs})
+    tensor_hooks += tuple(f"{s.path} (opaque; {line})" for s in sites.values()
+                          for line in s.hooks)
     # after the opaque calls: the inputs their real run saw them write count too
     _refuse_input_writes(model, graph, {n.name for n in user_inputs}, _written_roots)
     _refuse_parameter_writes(model, graph, {s.name: s.fqn for s in state
@@ -506,6 +527,7 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         method=LEAVES_METHOD if leaves else "export" if dynamic else "export-static",
         leaves=leaves,
         copied=copied,
+        tensor_hooks=tensor_hooks,
     )
 
 
@@ -1060,6 +1082,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         return ("parameter" if id(tensor) in param_ids
                 else "buffer" if id(tensor) in buffer_ids else "constant")
 
+    fx_hooks: list[str] = []
     for node in list(graph.nodes):
         if node.op == "get_attr":
             attr = _get_attr(gm, node.target)
@@ -1069,6 +1092,10 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
                 graph.erase_node(node)
         elif node.op == "call_module":
             module = gm.get_submodule(node.target)
+            if code_registers_hooks(module):
+                # Its Python runs at run time, hooks included (skipped in forward jobs).
+                mark_hooking(module)
+                fx_hooks.append(f"{node.target} (opaque unit on the torch.fx fallback)")
             mapping: dict[str, torch.fx.Node] = {}
             for local, tensor in list(module.named_parameters(remove_duplicate=False)) + list(
                     module.named_buffers(remove_duplicate=False)) + tensor_attributes(module):
@@ -1130,6 +1157,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         state_tensors=state_tensors,
         example_inputs=flat_inputs,
         method="fx",
+        tensor_hooks=tuple(fx_hooks),
     )
 
 
