@@ -17,7 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import reference
+import roundpipe
 from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe import backend as rb
 from roundpipe.errors import ModelError
 
 RUNS = [(1, "stage"), (3, "stage"), (3, "layer")]
@@ -284,3 +286,57 @@ def test_a_module_backward_hook_on_the_model_points_at_a_path_that_works():
         pipe.compile((torch.randn(4, 8),), {})
     assert "use tensor hooks (Tensor.register_hook) instead" not in str(e.value)
     pipe.close()
+
+
+# --- torch.compile backend ---------------------------------------------------------------
+
+class BackendNet(nn.Module):
+    """A pure hook (traced into Dynamo's graph), one reading a value of the forward, and
+    one with a side effect (Dynamo breaks the graph there and registers it eagerly)."""
+
+    def __init__(self, side_effect: bool) -> None:
+        super().__init__()
+        self.side_effect = side_effect
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.out = nn.Linear(8, 2)
+        self.calls = [0]
+        for b in self.blocks:
+            b.weight.data.mul_(3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        sign = (x > 0).to(x.dtype)
+        for b in self.blocks:
+            h = torch.tanh(b(h)) + h
+        h.register_hook(lambda g: g * (sign + 1))
+        if self.side_effect:
+            def count(g):
+                self.calls[0] += 1
+            h.register_hook(count)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("side_effect", [False, True])
+def test_backend_runs_hooks_in_forward_as_eager(side_effect):
+    torch._dynamo.reset()
+    rb.reset()
+    try:
+        torch.manual_seed(0)
+        model = BackendNet(side_effect).double()
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="roundpipe",
+                                 options={"devices": ["cpu"] * 3, "num_microbatch": 3})
+        x, y = _data()
+        for _ in range(2):
+            F.mse_loss(compiled(x), y).backward()
+            F.mse_loss(eager(x), y).backward()
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14,
+                                           msg=name)
+            assert model.calls == eager.calls
+        plans = roundpipe.backend.plans()
+        assert plans[0].num_microbatch == 1  # the graph with the hooks: one whole batch
+    finally:
+        torch._dynamo.reset()

@@ -32,7 +32,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .dynamo import DynamoGraph
+from .dynamo import DynamoGraph, hook_sites
 from .trace import MUTATES
 
 
@@ -76,6 +76,11 @@ def analyze_batching(dg: DynamoGraph) -> BatchSplit | str:
     if mutates:
         return (f"{mutates[0].format_node()} updates buffers in place (each microbatch "
                 "would update them again)")
+    hooks = hook_sites(graph)
+    if hooks:
+        return (f"{hooks[0].format_node()} registers a tensor hook, which would run once "
+                "per microbatch on its share of the gradient (eager runs it once, on the "
+                "whole batch's)")
     by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     # The batch: the most common leading size among tensor arguments of the frame.
     candidates: dict[int, list[str]] = {}

@@ -50,15 +50,23 @@ import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from ..ops.hooks import register_tensor_hook
 from ..plan import InputSignature, OutputRef, StateSpec
 from .codegen import RANDOM
 from .layers import WRITES, ModuleTree
 from .mode_regions import mark_mode_regions
+from .tensor_hooks import HOOKED
 from .trace import MODULE_PATH, MUTATES, TracedGraph
 
 log = logging.getLogger(__name__)
 
 METHOD = "dynamo"
+
+
+try:
+    from torch._higher_order_ops.register_hook import register_hook_op as _REGISTER_HOOK_OP
+except ImportError:  # older torch: Dynamo registers intermediate hooks otherwise
+    _REGISTER_HOOK_OP = None
 
 
 class Unsupported(Exception):
@@ -209,6 +217,7 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> DynamoGr
     for node in graph.nodes:
         if is_random(node):
             node.meta[RANDOM] = True
+    _carry_hooks(graph)
     # no_grad / autocast blocks: each node is marked with its regions, which every unit
     # program enters and leaves itself (so a region never forces two units together).
     mark_mode_regions(graph, initial_grad=_initial_grad_mode(graph))
@@ -253,6 +262,29 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> DynamoGr
     )
     return DynamoGraph(traced=traced, module_tree=graph_module_tree(graph, state),
                        placeholders=tuple(infos_out))
+
+
+def _carry_hooks(graph: torch.fx.Graph) -> None:
+    """``h.register_hook(fn)`` on a value the graph computes is Dynamo's
+    ``register_hook`` higher-order op (the hook traced into a body graph, with the
+    forward values it reads as extra arguments; a hook with Python side effects makes a
+    graph break instead, and runs eagerly).  Run as it is, it failed in forward jobs,
+    under ``no_grad``; it becomes :func:`roundpipe.ops.hooks.register_tensor_hook`, which
+    registers where a backward will run, kept in the unit that makes the value."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _REGISTER_HOOK_OP:
+            value = node.args[0]
+            if not isinstance(value, torch.fx.Node) or value.op == "placeholder":
+                raise Unsupported(f"{node.format_node()} registers a hook on an input of "
+                                  "the graph")
+            node.target = register_tensor_hook
+            node.meta[HOOKED] = (value,)
+
+
+def hook_sites(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The nodes of a converted graph that register tensor hooks."""
+    return [n for n in graph.nodes
+            if n.op == "call_function" and n.target is register_tensor_hook]
 
 
 # --- sources --------------------------------------------------------------------------------
