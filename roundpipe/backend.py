@@ -338,6 +338,7 @@ class _PipelinedGraph:
     def __init__(self, backend: RoundPipeBackend, dg: DynamoGraph) -> None:
         self.backend = backend
         self.placeholders = dg.placeholders
+        self.differentiable = dg.differentiable
         opts = backend.options
         devices = backend.devices
         traced = dg.traced
@@ -553,8 +554,14 @@ class _Call(PipelinedCall):
                 needs[name] = bool(need) and (a.is_floating_point() or a.is_complex())
         self.outputs = self.forward(record=True, needs_grad=needs)
         self._save_versions()
+        # An output eager computes without a graph (under no_grad, say) stays out of
+        # autograd: Dynamo may store it back into the module (spectral_norm's ``self._u =
+        # normalize(..., out=self._u)``), and with a grad_fn the next call's graph would
+        # read that buffer as an input needing a gradient and send one into this
+        # call's backward, which had already run ("ran twice").
+        diff = self.graph.differentiable
         self.tensor_columns = [j for j, o in enumerate(self.outputs)
-                               if isinstance(o, torch.Tensor)]
+                               if isinstance(o, torch.Tensor) and (j >= len(diff) or diff[j])]
         refs = self.graph.program.outputs
         columns = [MergeColumn(refs[j].value, self.rules[j], self.pieces[j])
                    for j in self.tensor_columns]

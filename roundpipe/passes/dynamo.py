@@ -102,6 +102,10 @@ class DynamoGraph:
     traced: TracedGraph
     module_tree: ModuleTree  # the layers pass finds the units in it
     placeholders: tuple[Placeholder, ...]
+    # Per output: whether eager's output requires grad (Dynamo's example value says;
+    # True where it cannot tell).  Dynamo guards on the inputs' requires_grad and on the
+    # grad mode, so what held when the graph was traced holds at every call.
+    differentiable: tuple[bool, ...] = ()
 
 
 def from_dynamo(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> DynamoGraph:
@@ -227,7 +231,11 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> DynamoGr
     flat_out = list(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) \
         else [out_node.args[0]]
     outputs: list[OutputRef] = []
+    differentiable: list[bool] = []
     for value in flat_out:
+        example = value.meta.get("example_value") if isinstance(value, torch.fx.Node) \
+            else None
+        differentiable.append(not isinstance(example, torch.Tensor) or example.requires_grad)
         if isinstance(value, torch.fx.Node):
             if value.name in state_tensors:
                 raise Unsupported(f"the graph returns its state input {value.name} itself")
@@ -261,7 +269,7 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> DynamoGr
         method=METHOD,
     )
     return DynamoGraph(traced=traced, module_tree=graph_module_tree(graph, state),
-                       placeholders=tuple(infos_out))
+                       placeholders=tuple(infos_out), differentiable=tuple(differentiable))
 
 
 def _carry_hooks(graph: torch.fx.Graph) -> None:
