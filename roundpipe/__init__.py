@@ -17,8 +17,9 @@ from .grad_scaler import GradScaler
 from .errors import (ConfigError, InputError, LossError, MergeError, ModelError,
                      OutOfMemoryError, PartitionError, RoundPipeError, StageError, StepError,
                      TraceError, UnknownConfigFieldError)
-from .errors import (DataParallelError, HostOutOfMemoryError, NonFiniteGradientError,
-                     OptimizerError, ParameterHookError, ReplicaError)
+from .errors import (DataParallelError, DoubleBackwardError, HostOutOfMemoryError,
+                     NonFiniteGradientError, OptimizerError, ParameterHookError,
+                     ReplicaError)
 from .runtime.data_parallel import DataParallelConfig
 from .plan import StagePlan
 from .runtime.host_memory import HostMemory
@@ -71,6 +72,7 @@ __all__ = [
     "MergeError",
     "StageError",
     "StepError",
+    "DoubleBackwardError",
     "OptimizerError",
     "NonFiniteGradientError",
     "OutOfMemoryError",

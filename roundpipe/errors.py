@@ -72,6 +72,12 @@ class StageError(RoundPipeError, RuntimeError):
         self.microbatch = microbatch
 
 
+class DoubleBackwardError(RoundPipeError, RuntimeError):
+    """A backward through a pipelined call was asked to build a graph of its own
+    (``create_graph=True``: double backward, gradient penalties); refused before that
+    backward runs anything."""
+
+
 class StepError(RoundPipeError, RuntimeError):
     """The ``step_fn`` passed to ``RoundPipe.step`` raised."""
 
@@ -126,6 +132,7 @@ __all__ = [
     "InputError",
     "LossError",
     "StageError",
+    "DoubleBackwardError",
     "StepError",
     "OutOfMemoryError",
     "HostOutOfMemoryError",

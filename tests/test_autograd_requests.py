@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.parametrizations import spectral_norm
 
+from roundpipe import DoubleBackwardError, RoundPipe, RoundPipeRunConfig
 from roundpipe import backend as rb
 
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -32,6 +33,107 @@ def _float64_and_fresh_dynamo():
     yield
     torch._dynamo.reset()
     torch.set_default_dtype(previous)
+
+
+class Front:
+    """A model run through one front end (``api``: ``pipe(x)`` with float64 masters
+    apart from the model's weights; ``backend``: torch.compile).  ``seen()`` is what
+    the next optimizer step would read: the masters' gradients (read on the optimizer
+    thread by ``pipe.step``), or the parameters' ``.grad``."""
+
+    def __init__(self, kind: str, model: nn.Module, devices: int, num_microbatch: int = 2
+                 ) -> None:
+        self.kind, self.model = kind, model
+        if kind == "api":
+            self.pipe = RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float64,
+                                  model_run_config=RoundPipeRunConfig(
+                                      num_microbatch=num_microbatch))
+            self.fn = self.pipe
+        else:
+            self.pipe = None
+            self.fn = torch.compile(model, backend=rb.RoundPipeBackend(
+                devices=["cpu"] * devices, num_microbatch=num_microbatch))
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def seen(self) -> dict[str, torch.Tensor | None]:
+        if self.pipe is None:
+            return {n: p.grad for n, p in self.model.named_parameters()}
+        grads: dict[str, torch.Tensor | None] = {}
+
+        def read() -> None:
+            grads.update((n, None if m.grad is None else m.grad.clone())
+                         for n, m in self.pipe.optim_named_parameters())
+        self.pipe.step(read, is_async=False)
+        return grads
+
+    def model_grads(self) -> dict[str, torch.Tensor | None]:
+        return {n: p.grad for n, p in self.model.named_parameters()}
+
+    def close(self) -> None:
+        if self.pipe is not None:
+            self.pipe.close()
+
+
+FRONTS = ["api", "backend"]
+
+
+class MLP(nn.Module):
+    """Three layers that land in different stages on 3 devices."""
+
+    def __init__(self, d: int = 5) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.c = nn.Linear(d, 2)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _assert_grads(got: dict, want: dict, what: str = "") -> None:
+    assert got.keys() == want.keys()
+    for name, g in got.items():
+        w = want[name]
+        assert (g is None) == (w is None), (what, name, g, w)
+        if g is not None:
+            torch.testing.assert_close(g, w, **TOL, msg=f"{what} {name}")
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+# --- double backward ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("front", FRONTS)
+def test_double_backward_is_refused_at_the_first_backward_with_nothing_committed(
+        front, devices):
+    """WGAN-GP's penalty: the gradient wrt the input with create_graph=True.  It used to
+    return a first-order gradient without a graph, and the penalty's backward then failed
+    with "ran twice"; now the first backward is refused, commits nothing, and leaves the
+    graph usable by a first-order backward."""
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(6, 5)
+    eager = copy.deepcopy(model)
+    eager(x).pow(2).sum().backward()
+    run = Front(front, copy.deepcopy(model), devices)
+    try:
+        xi = _leaf(x)
+        out = run(xi)
+        with pytest.raises(DoubleBackwardError, match="double backward.*create_graph.*"
+                           "non-pipelined copy.*torch.func"):
+            torch.autograd.grad(out.pow(2).sum(), xi, create_graph=True)
+        assert all(g is None for g in run.model_grads().values())
+        assert xi.grad is None
+        assert all(g is None for g in run.seen().values())
+        out.pow(2).sum().backward()  # the stash is intact
+        _assert_grads(run.seen(), {n: p.grad for n, p in eager.named_parameters()})
+    finally:
+        run.close()
 
 
 # --- outputs without a graph -------------------------------------------------------------------

@@ -10,11 +10,13 @@ implements.  Splitting inputs and merging outputs (and their gradients) live in
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Sequence
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from ..errors import RoundPipeError
+from ..errors import DoubleBackwardError, RoundPipeError
 from ..ops.rng import RngKey
 from .devices import Device
 from .microbatch import MergeColumn, split_output_grads
@@ -91,6 +93,27 @@ class PipelinedCall(abc.ABC):
         """The gradient of each tensor input of the function."""
 
 
+def _first_order_only(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Refuse a backward that must build a graph (``create_graph=True``: the engine runs
+    it in grad mode) before it runs anything.  ``once_differentiable`` alone would only
+    fail at the second backward, after the first had committed its gradients."""
+    @functools.wraps(backward)
+    def checked(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():
+            raise DoubleBackwardError(
+                "double backward through a pipelined call is not supported: this backward "
+                "was asked to build a graph (create_graph=True, as gradient penalties such "
+                "as WGAN-GP's do with torch.autograd.grad(..., create_graph=True)), but "
+                "roundpipe runs it as pipelined jobs on the devices, whose gradients "
+                "carry no graph. Nothing was computed or committed, and a first-order "
+                "backward of the same graph still works. Compute the penalty on a "
+                "non-pipelined copy of the model (copy.deepcopy(model), loaded with the "
+                "current weights), or with torch.func (torch.func.vjp/jacrev over "
+                "torch.func.functional_call)")
+        return backward(ctx, *grads)
+    return checked
+
+
 class PipelinedFunction(torch.autograd.Function):
     """``PipelinedFunction.apply(call, *tensor_inputs)``: the outputs of ``call`` connected
     to autograd.  The tensor inputs only say what needs a gradient (and connect the graph);
@@ -109,6 +132,8 @@ class PipelinedFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @_first_order_only  # its backward is not differentiable: refused, not first-order
+    @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         call: PipelinedCall | None = ctx.call
         needs = ctx.needs_input_grad[1:]
