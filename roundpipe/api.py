@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .backprop import attach_backward
+from .backprop import GradRequest, attach_backward
 from . import current
 from .compiler import Analysis, PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
@@ -777,24 +777,30 @@ class RoundPipe:
             columns, build = self._merge_columns(entry, result, mbs, cfg, plan)
             merged = [merged_value(c, cfg.output_device) for c in columns]
             # requires_grad=True records even under torch.no_grad(), as asked.
+            program = entry.plan.program
+            params = [(spec.name, entry.host.tensors[spec.name]) for spec in program.state
+                      if spec.kind == "parameter"]
             with torch.enable_grad():
                 return attach_backward(
-                    self._backward_runner(entry, result, cfg, keys), entry.plan.program,
+                    self._backward_runner(entry, result, cfg, keys), program, params,
                     (tuple(args), dict(kwargs)), mbs, columns, merged, build)
 
     __call__ = forward
 
     def _backward_runner(self, entry: _Compiled, forward: RunResult, cfg: ResolvedRunConfig,
                          keys: list[RngKey | None]
-                         ) -> Callable[[list[dict[str, torch.Tensor]]], RunResult]:
+                         ) -> Callable[[list[dict[str, torch.Tensor]], GradRequest], RunResult]:
         """What ``loss.backward()`` through this forward runs: the backward jobs from the
-        forward's stash, then the gradients committed to the masters (all-reduced first
-        across data-parallel replicas)."""
+        forward's stash, then the gradients the request commits committed to the masters
+        (all-reduced first across data-parallel replicas).  The result's
+        ``param_grads`` are those left uncommitted (``torch.autograd.grad`` returns
+        them)."""
         version = self._state.fences.target
         autocast = self._autocast()
         stash = [forward.stash]  # emptied by the backward: it frees the activations
 
-        def run_backward(output_grads: list[dict[str, torch.Tensor]]) -> RunResult:
+        def run_backward(output_grads: list[dict[str, torch.Tensor]],
+                         request: GradRequest) -> RunResult:
             assert stash[0] is not None  # PipelinedFunction runs one backward per call
             self._check_open()
             with self._lock, self._replica_call() as dp_call:
@@ -802,18 +808,25 @@ class RoundPipe:
                 hooks = self._hooks(entry, per_microbatch=False)
                 on_grads = (dp_call.bind(entry.host, entry.plan.program.units)
                             if dp_call else None)
+                # Replicas reduce every trainable parameter's gradient in one layout, so
+                # a data-parallel backward computes them all and commits the asked ones.
                 result = entry.executor.backward(
                     stash[0], output_grads, grain=cfg.recompute_grain, keys=keys,
                     fence_version=version, autocast=autocast, on_grads=on_grads,
-                    hooks=hooks)
+                    hooks=hooks, only=request.only if dp_call is None else None)
                 self._optimizer.wait()
                 if dp_call is not None:  # all-reduced across replicas before anything commits
                     dp_call.complete(result, None)
+                commit, grads = request.commit, result.param_grads
+                if commit is not None:
+                    result = dataclasses.replace(result, param_grads={
+                        s: g for s, g in grads.items() if s in commit})
                 self._finish(entry, result, count_call=False, hooks=hooks)
                 if dp_call is not None:
                     self._sync_replica_buffers(entry)
             stash[0] = None
-            return result
+            return dataclasses.replace(result, param_grads={
+                s: g for s, g in grads.items() if commit is not None and s not in commit})
         return run_backward
 
     # --- optimizer -----------------------------------------------------------------------

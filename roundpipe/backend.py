@@ -47,8 +47,8 @@ from .passes.batching import BatchSplit, analyze_batching
 from .passes.cost import DeviceModel
 from .passes.dynamo import DynamoGraph, Unsupported, from_dynamo
 from .plan import ModelProgram, StagePlan
-from .runtime.call import (PipelinedCall, PipelinedFunction, autocast_state, memory_budget,
-                           microbatch_keys)
+from .runtime.call import (GradTarget, PipelinedCall, autocast_state, memory_budget,
+                           microbatch_keys, pipelined)
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.host_state import WeightFences, fold_unit_grads
@@ -404,7 +404,7 @@ class _PipelinedGraph:
         record = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if not record:
             return call.forward(record=False)
-        outs = PipelinedFunction.apply(call, *tensors)
+        outs = pipelined(call, tensors)
         return call.assemble(outs)
 
 
@@ -583,8 +583,18 @@ class _Call(PipelinedCall):
             if isinstance(t, torch.Tensor) and name in self.graph.used_inputs:
                 self.versions.append((f"input {name}", t, t._version))
 
-    def run_backward(self, output_grads: list[dict[str, torch.Tensor]]) -> RunResult:
+    def run_backward(self, output_grads: list[dict[str, torch.Tensor]],
+                     targets: Sequence[GradTarget], *, plain: bool) -> RunResult:
         graph, backend = self.graph, self.graph.backend
+        # Only what this backward asks for is computed (autograd.grad(out, x) computes no
+        # parameter gradient); autograd would drop the rest anyway.
+        only: set[str] | None = None
+        if not plain:
+            only = set()
+            tensors = [i for i, a in enumerate(self.args) if isinstance(a, torch.Tensor)]
+            for k, i in enumerate(tensors):
+                if targets[k] is not GradTarget.NONE:
+                    only.add(graph.slot_at[i] or graph.value_at[i] or "")
         assert self.stash is not None  # PipelinedFunction runs one backward per call
         for what, t, version in self.versions:
             if t._version != version:
@@ -597,12 +607,13 @@ class _Call(PipelinedCall):
             graph.host.bind(self.state)
             result = graph.executor(self.rotation).backward(
                 self.stash, output_grads, grain=backend.options.recompute_grain,
-                keys=self.key_list, fence_version=0, autocast=self.autocast)
+                keys=self.key_list, fence_version=0, autocast=self.autocast,
+                only=None if only is None else frozenset(only))
             graph.last_stats = backend._stats = result.stats
         self.stash = None
         return result
 
-    def input_grads(self, result: RunResult, needs_input_grad: Sequence[bool]
+    def input_grads(self, result: RunResult, targets: Sequence[GradTarget]
                     ) -> list[torch.Tensor | None]:
         """Parameter gradients (folded per unit) go back to Dynamo's parameter inputs,
         so autograd accumulates them in ``param.grad``; value gradients to the values."""
@@ -612,7 +623,7 @@ class _Call(PipelinedCall):
         out: list[torch.Tensor | None] = []
         tensors = [i for i, a in enumerate(self.args) if isinstance(a, torch.Tensor)]
         for k, i in enumerate(tensors):
-            if not needs_input_grad[k]:
+            if targets[k] is GradTarget.NONE:
                 out.append(None)
             elif graph.grad_slot_at[i] is not None:
                 out.append(param_grads.get(graph.grad_slot_at[i]))

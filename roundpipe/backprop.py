@@ -8,15 +8,24 @@ gradients per microbatch and runs ``run_backward``: the backward jobs (the tail 
 recomputed like any backward stage), with the parameter gradients committed to the
 masters.  The gradients of inputs that require them are joined from their microbatch
 pieces.
+
+The trainable parameters are inputs of the Function too, though their values never go
+through it: so the engine can say which gradients the running backward asks for
+(:func:`~roundpipe.runtime.call.grad_targets`).  ``torch.autograd.grad(out, x)`` and
+``backward(inputs=[x])`` then commit no parameter gradient, ``backward(inputs=[p])``
+commits only ``p``'s, and ``torch.autograd.grad(out, p)`` returns ``p``'s without
+committing it, as in eager PyTorch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from .runtime.call import PipelinedCall, PipelinedFunction
+from .runtime.call import GradTarget, PipelinedCall, pipelined
+from .runtime.host_state import fold_unit_grads
 from .runtime.microbatch import MergeColumn, join_input_grad
 from .runtime.signature import flat_leaves
 
@@ -25,17 +34,35 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime.executor import RunResult
 
 
+@dataclass(frozen=True)
+class GradRequest:
+    """What one backward through a pipelined forward asks for.
+
+    Attributes:
+        only: the input values and parameter slots whose gradients to compute (None:
+            every one).
+        commit: the parameter slots whose gradients land in the masters; the others
+            computed (``autograd.grad`` returns them) are left in the result.
+    """
+
+    only: frozenset[str] | None
+    commit: frozenset[str] | None
+
+
 class _ForwardCall(PipelinedCall):
     """A ``RoundPipe.forward`` call whose forward already ran; what its backward needs."""
 
-    def __init__(self, run_backward: Callable[[list[dict[str, torch.Tensor]]], RunResult],
+    def __init__(self, run_backward: Callable[[list[dict[str, torch.Tensor]], GradRequest],
+                                              RunResult],
                  columns: list[MergeColumn], out_tensors: list[torch.Tensor],
-                 grad_inputs: list[tuple[str, list[Any] | None]]) -> None:
+                 grad_inputs: list[tuple[str, list[Any] | None]],
+                 params: list[tuple[str, torch.Tensor]]) -> None:
         self._run_backward = run_backward
         self.columns = columns  # the merged values connected to the backward
         self.out_tensors = out_tensors
         # (value name, its microbatch pieces or None if replicated) per input needing grad
         self.grad_inputs = grad_inputs
+        self.params = params  # (slot, parameter) connected after the inputs
 
     def run_forward(self, needs_input_grad: Sequence[bool]
                     ) -> tuple[list[torch.Tensor], list[MergeColumn], list[int]]:
@@ -43,28 +70,59 @@ class _ForwardCall(PipelinedCall):
         self.out_tensors = []
         return outs, self.columns, []
 
-    def run_backward(self, output_grads: list[dict[str, torch.Tensor]]) -> RunResult:
-        return self._run_backward(output_grads)
+    def run_backward(self, output_grads: list[dict[str, torch.Tensor]],
+                     targets: Sequence[GradTarget], *, plain: bool) -> RunResult:
+        n = len(self.grad_inputs)
+        inputs, params = targets[:n], targets[n:]
+        asked = {slot: t for (slot, _), t in zip(self.params, params)
+                 if t is not GradTarget.NONE}
+        if plain:
+            request = GradRequest(None, None)  # every gradient, committed, as always
+        else:
+            # A parameter left unconnected (it has hooks of its own) is committed by a
+            # plain backward() only: the engine cannot say whether one that names its
+            # inputs names it.
+            request = GradRequest(
+                only=frozenset([name for (name, _), t in zip(self.grad_inputs, inputs)
+                                if t is not GradTarget.NONE] + list(asked)),
+                commit=frozenset(s for s, t in asked.items() if t is GradTarget.FLOWS))
+        return self._run_backward(output_grads, request)
 
-    def input_grads(self, result: RunResult, needs_input_grad: Sequence[bool]
+    def input_grads(self, result: RunResult, targets: Sequence[GradTarget]
                     ) -> list[torch.Tensor | None]:
         per_mb = result.input_grads or []
-        # The first input is the anchor, which only connects the graph.
-        return [None] + [join_input_grad([g.get(name) for g in per_mb], split)
-                         for name, split in self.grad_inputs]
+        n = len(self.grad_inputs)
+        grads: list[torch.Tensor | None] = [
+            join_input_grad([g.get(name) for g in per_mb], split)
+            if t is not GradTarget.NONE else None
+            for (name, split), t in zip(self.grad_inputs, targets[:n])]
+        for (slot, param), t in zip(self.params, targets[n:]):
+            # Returned to autograd.grad only (what flows was committed, not returned).
+            contributions = result.param_grads.get(slot)
+            grads.append(fold_unit_grads(contributions, param.dtype)
+                         if t is GradTarget.RETURNED and contributions else None)
+        return grads
 
 
-def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]]], RunResult],
-                    program: ModelProgram,
+def _has_hooks(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "_backward_hooks", None)
+                or getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]], GradRequest],
+                                           RunResult],
+                    program: ModelProgram, params: Sequence[tuple[str, torch.Tensor]],
                     full_inputs: tuple[tuple[Any, ...], dict[str, Any]], mbs: list,
                     columns: list[MergeColumn], merged: list[Any],
                     build: Callable[[list[Any]], Any]) -> Any:
     """The call's outputs, ``build(merged)``, with the merged floating tensors (one per
     ``columns`` entry) connected to a pipelined backward first.
 
-    ``run_backward(output_grads)`` runs the backward jobs for the per-microbatch output
-    gradients, commits the parameter gradients and returns the executor's result (whose
-    input gradients flow back to the inputs that require them).
+    ``run_backward(output_grads, request)`` runs the backward jobs for the per-microbatch
+    output gradients, commits the parameter gradients the :class:`GradRequest` commits
+    and returns the executor's result, its ``param_grads`` those not committed (whose
+    input gradients flow back to the inputs that require them).  ``params``: (slot,
+    tensor) of the program's parameters.
     """
     full_leaves = flat_leaves(program.inputs, *full_inputs) or []
     grad_inputs: list[tuple[str, list[Any] | None]] = []
@@ -77,14 +135,16 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]]], RunR
             # split: each microbatch read its own rows; else each read the whole input
             grad_inputs.append((name, pieces if pieces[0] is not leaf else None))
             grad_tensors.append(leaf)
+    # A parameter with hooks of its own stays unconnected: the engine would call them
+    # with None (roundpipe runs them where the gradients land).
+    trainable = [(slot, p) for slot, p in params if p.requires_grad]
+    connected = [(slot, p) for slot, p in trainable if not _has_hooks(p)]
 
-    connected = [j for j, v in enumerate(merged) if isinstance(v, torch.Tensor)]
-    call = _ForwardCall(run_backward, [columns[j] for j in connected],
-                        [merged[j] for j in connected], grad_inputs)
-    # The anchor connects the outputs to autograd even where no input requires grad.
-    anchor = torch.empty(0, requires_grad=True)
-    outs = PipelinedFunction.apply(call, anchor, *grad_tensors)
-    values = list(merged)
-    for j, out in zip(connected, outs):
-        values[j] = out
-    return build(values)
+    values = [j for j, v in enumerate(merged) if isinstance(v, torch.Tensor)]
+    call = _ForwardCall(run_backward, [columns[j] for j in values],
+                        [merged[j] for j in values], grad_inputs, connected)
+    outs = pipelined(call, grad_tensors + [p for _, p in connected])
+    result = list(merged)
+    for j, out in zip(values, outs):
+        result[j] = out
+    return build(result)

@@ -51,8 +51,9 @@ class Front:
             self.fn = self.pipe
         else:
             self.pipe = None
-            self.fn = torch.compile(model, backend=rb.RoundPipeBackend(
-                devices=["cpu"] * devices, num_microbatch=num_microbatch))
+            self.backend = rb.RoundPipeBackend(devices=["cpu"] * devices,
+                                               num_microbatch=num_microbatch)
+            self.fn = torch.compile(model, backend=self.backend)
 
     def __call__(self, *args):
         return self.fn(*args)
@@ -67,6 +68,20 @@ class Front:
                          for n, m in self.pipe.optim_named_parameters())
         self.pipe.step(read, is_async=False)
         return grads
+
+    def grad_bytes(self) -> dict[str, int]:
+        """Parameter-gradient bytes the last backward downloaded, per parameter."""
+        stats = self.pipe.stats() if self.pipe is not None else self.backend.stats()
+        return {n: b for n, b in stats.grad_bytes.items() if b}
+
+    def clear(self) -> None:
+        """No gradient anywhere, as after ``zero_grad(set_to_none=True)``."""
+        for p in self.model.parameters():
+            p.grad = None
+        if self.pipe is not None:
+            masters = [m for _, m in self.pipe.optim_named_parameters()]
+            self.pipe.step(lambda: [setattr(m, "grad", None) for m in masters],
+                           is_async=False)
 
     def model_grads(self) -> dict[str, torch.Tensor | None]:
         return {n: p.grad for n, p in self.model.named_parameters()}
@@ -103,6 +118,137 @@ def _assert_grads(got: dict, want: dict, what: str = "") -> None:
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
+
+
+def _eager_grads(model: nn.Module, x: torch.Tensor, inputs: list[str]
+                 ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """Eager ``backward(inputs=...)`` of the test loss: the parameters' .grad and x's."""
+    model = copy.deepcopy(model)
+    xi = _leaf(x)
+    named = dict(model.named_parameters())
+    chosen = [xi if n == "x" else named[n] for n in inputs]
+    model(xi).pow(2).sum().backward(inputs=chosen)
+    return {n: p.grad for n, p in model.named_parameters()}, xi.grad
+
+
+PARAMS = ["a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"]
+
+
+# --- which gradients ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("front", FRONTS)
+def test_input_gradient_leaves_parameter_gradients_alone(front, devices):
+    """FGSM / saliency: torch.autograd.grad(f(pipe(x)), x).  It used to commit every
+    parameter gradient to the masters, so the next optimizer step read them."""
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(6, 5)
+    eager = copy.deepcopy(model)
+    xe = _leaf(x)
+    (want_x,) = torch.autograd.grad(eager(xe).pow(2).sum(), xe)
+    eager(x).pow(2).sum().backward()  # the gradients of an earlier full step
+    run = Front(front, copy.deepcopy(model), devices)
+    try:
+        run(x).pow(2).sum().backward()
+        before = {n: g.clone() for n, g in run.seen().items()}
+        xi = _leaf(x)
+        (got_x,) = torch.autograd.grad(run(xi).pow(2).sum(), xi)
+        torch.testing.assert_close(got_x, want_x, **TOL)
+        assert run.grad_bytes() == {}  # not even computed
+        assert xi.grad is None
+        _assert_grads(run.seen(), before, "after autograd.grad")
+        _assert_grads(before, {n: p.grad for n, p in eager.named_parameters()})
+        if front == "api":  # the model's own weights never hold gradients
+            assert all(g is None for g in run.model_grads().values())
+    finally:
+        run.close()
+
+
+TARGETS = [["x"], ["b.weight"], ["x", "a.bias"], ["c.weight", "a.weight"], ["x"] + PARAMS]
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("front", FRONTS)
+def test_backward_with_inputs_writes_only_those_gradients(front, devices):
+    """backward(inputs=[...]) over inputs and parameters, subsets of each: exactly the
+    named ones get a gradient, equal to eager's."""
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(6, 5)
+    run = Front(front, copy.deepcopy(model), devices)
+    try:
+        for inputs in TARGETS:
+            want, want_x = _eager_grads(model, x, inputs)
+            run.clear()
+            xi = _leaf(x)
+            named = dict(run.model.named_parameters())
+            chosen = [xi if n == "x" else named[n] for n in inputs]
+            run(xi).pow(2).sum().backward(inputs=chosen)
+            assert set(run.grad_bytes()) == set(inputs) - {"x"}  # only those computed
+            _assert_grads(run.seen(), want, str(inputs))
+            assert (xi.grad is None) == (want_x is None), inputs
+            if want_x is not None:
+                torch.testing.assert_close(xi.grad, want_x, **TOL)
+            if front == "api":
+                assert all(g is None for g in run.model_grads().values())
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_autograd_grad_returns_parameter_gradients_without_writing_them(front):
+    """torch.autograd.grad(out, [x, p]) returns both (eager's values) and writes no
+    gradient anywhere; only those are computed."""
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(6, 5)
+    want, want_x = _eager_grads(model, x, ["x", "b.weight", "c.bias"])
+    run = Front(front, copy.deepcopy(model), 3)
+    try:
+        xi = _leaf(x)
+        named = dict(run.model.named_parameters())
+        got = torch.autograd.grad(run(xi).pow(2).sum(),
+                                  [xi, named["b.weight"], named["c.bias"]])
+        for g, w in zip(got, [want_x, want["b.weight"], want["c.bias"]]):
+            torch.testing.assert_close(g, w, **TOL)
+        assert set(run.grad_bytes()) == {"b.weight", "c.bias"}
+        assert all(g is None for g in run.seen().values())
+        assert all(g is None for g in run.model_grads().values())
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("front", FRONTS + ["forward_backward"])
+def test_a_parameter_frozen_between_calls_gets_no_more_gradient(front):
+    """requires_grad_(False) between two calls: the second call adds nothing to that
+    parameter's gradient (it keeps the first call's, as in eager)."""
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(6, 5)
+    eager = copy.deepcopy(model)
+    for frozen in (False, True):
+        eager.b.weight.requires_grad_(not frozen)
+        eager(x).pow(2).sum().backward()
+    run = Front("api" if front == "forward_backward" else front, copy.deepcopy(model), 3)
+    try:
+        for frozen in (False, True):
+            run.model.b.weight.requires_grad_(not frozen)
+            if front == "forward_backward":
+                run.pipe.forward_backward(input_args=(x,), label=None,
+                                          loss_fn=lambda out, _: out.pow(2).sum())
+            else:
+                run(x).pow(2).sum().backward()
+        seen = run.seen()
+        want = {n: p.grad for n, p in eager.named_parameters()}
+        if front != "backend":  # a frozen parameter has no master: pipe.step never sees it
+            assert "b.weight" not in seen
+            want.pop("b.weight")
+            torch.testing.assert_close(run.pipe._state.master("b.weight").grad,
+                                       eager.b.weight.grad, **TOL)
+        _assert_grads(seen, want)
+    finally:
+        run.close()
 
 
 # --- double backward ----------------------------------------------------------------------------

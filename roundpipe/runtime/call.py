@@ -10,6 +10,7 @@ implements.  Splitting inputs and merging outputs (and their gradients) live in
 from __future__ import annotations
 
 import abc
+import enum
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -66,15 +67,29 @@ def memory_cap(devices: Sequence[Device], fraction: float) -> int | None:
 
 # --- autograd ------------------------------------------------------------------------------
 
+class GradTarget(enum.Enum):
+    """What the running backward does with the gradient of one input of a pipelined call
+    (the engine knows which gradients the current ``backward()`` or
+    ``torch.autograd.grad()`` asked for; the Function has to ask it, its
+    ``needs_input_grad`` says only what *could* get a gradient)."""
+
+    NONE = "none"          # not asked for: neither computed nor committed
+    FLOWS = "flows"        # the engine uses it: passed on through the graph, or
+    #                        accumulated into a leaf's .grad (backward(), backward(inputs=))
+    RETURNED = "returned"  # a leaf whose gradient torch.autograd.grad() returns: nothing
+    #                        may be accumulated for it
+
+
 class PipelinedCall(abc.ABC):
     """One call of a pipelined forward as autograd sees it.
 
     :class:`PipelinedFunction` drives it: ``run_forward`` when the function is applied,
     then, at ``backward()``, the output gradients split per microbatch (the inverse of the
-    merge rules), ``run_backward`` with them, and ``input_grads`` of its result.  What a
-    front end does with parameter gradients is its own: ``RoundPipe`` commits them to the
-    masters (on the optimizer thread) inside ``run_backward``; the backend returns them
-    from ``input_grads`` for the parameters Dynamo passed in, so autograd accumulates them.
+    merge rules), ``run_backward`` with them and the :class:`GradTarget` of each input,
+    and ``input_grads`` of its result.  What a front end does with parameter gradients is
+    its own: ``RoundPipe`` commits those that flow to the masters (on the optimizer
+    thread) inside ``run_backward``; the backend returns them from ``input_grads`` for
+    the parameters Dynamo passed in, so autograd accumulates them.
     """
 
     @abc.abstractmethod
@@ -84,13 +99,44 @@ class PipelinedCall(abc.ABC):
         the microbatch sizes.  ``needs_input_grad``: per tensor input of the function."""
 
     @abc.abstractmethod
-    def run_backward(self, output_grads: list[dict[str, torch.Tensor]]) -> RunResult:
-        """Run the backward jobs for these per-microbatch value gradients."""
+    def run_backward(self, output_grads: list[dict[str, torch.Tensor]],
+                     targets: Sequence[GradTarget], *, plain: bool) -> RunResult:
+        """Run the backward jobs for these per-microbatch value gradients, computing the
+        gradients of the inputs whose target is not ``NONE`` (per tensor input).
+        ``plain``: a plain ``backward()``, which asks for every gradient in the graph."""
 
     @abc.abstractmethod
-    def input_grads(self, result: RunResult, needs_input_grad: Sequence[bool]
+    def input_grads(self, result: RunResult, targets: Sequence[GradTarget]
                     ) -> Sequence[torch.Tensor | None]:
-        """The gradient of each tensor input of the function."""
+        """The gradient to hand autograd for each tensor input of the function."""
+
+
+def grad_targets(ctx: Any, needs: Sequence[bool]) -> tuple[list[GradTarget], bool]:
+    """The :class:`GradTarget` of each input after the anchor, asked of the engine, and
+    whether this is a plain ``backward()``.
+
+    The Function's first tensor input is an anchor leaf nobody names in
+    ``backward(inputs=)`` or ``autograd.grad``: when the engine will run its
+    accumulator, this is a plain ``backward()``, which runs every node of the graph, and
+    one question answers all.  Otherwise each input's node is asked (about 1 us each);
+    the engine refuses to answer for a leaf ``autograd.grad`` captures, which is what it
+    is then.
+    """
+    edges = ctx.next_functions  # one per tensor input, the anchor first
+    if torch._C._will_engine_execute_node(edges[0][0]):
+        return [GradTarget.FLOWS if n else GradTarget.NONE for n in needs], True
+    targets: list[GradTarget] = []
+    for need, (node, _) in zip(needs, edges[1:]):
+        if not need or node is None:
+            targets.append(GradTarget.NONE)
+            continue
+        try:
+            wanted = torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # "a leaf node was passed ... running autograd.grad()"
+            targets.append(GradTarget.RETURNED)
+            continue
+        targets.append(GradTarget.FLOWS if wanted else GradTarget.NONE)
+    return targets, False
 
 
 def _first_order_only(backward: Callable[..., Any]) -> Callable[..., Any]:
@@ -115,14 +161,14 @@ def _first_order_only(backward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class PipelinedFunction(torch.autograd.Function):
-    """``PipelinedFunction.apply(call, *tensor_inputs)``: the outputs of ``call`` connected
-    to autograd.  The tensor inputs only say what needs a gradient (and connect the graph);
-    the call reads its values itself."""
+    """``PipelinedFunction.apply(call, anchor, *tensor_inputs)`` (see :func:`pipelined`):
+    the outputs of ``call`` connected to autograd.  The tensor inputs only say what needs
+    a gradient (and connect the graph); the call reads its values itself."""
 
     @staticmethod
-    def forward(ctx: Any, call: PipelinedCall, *inputs: torch.Tensor
+    def forward(ctx: Any, call: PipelinedCall, anchor: torch.Tensor, *inputs: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
-        outs, columns, sizes = call.run_forward(ctx.needs_input_grad[1:])
+        outs, columns, sizes = call.run_forward(ctx.needs_input_grad[2:])
         # An output the loss ignores gets None, not zeros: what only it reads then gets
         # no gradient, as in eager PyTorch.
         ctx.set_materialize_grads(False)
@@ -136,16 +182,27 @@ class PipelinedFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         call: PipelinedCall | None = ctx.call
-        needs = ctx.needs_input_grad[1:]
+        needs = ctx.needs_input_grad[2:]
         if call is None:
             raise RoundPipeError(
                 "backward through a pipelined call ran twice; its stashed activations were "
                 "freed after the first (retain_graph=True is not supported): run the "
                 "forward again for a second backward")
+        targets, plain = grad_targets(ctx, needs)
         output_grads = split_output_grads(ctx.columns, grads, ctx.sizes)
-        if not any(output_grads):  # no output depends on a value the pipeline made
+        if not any(output_grads) or all(t is GradTarget.NONE for t in targets):
+            # no output depends on a value the pipeline made, or nothing is asked for
             ctx.call = ctx.columns = None
-            return (None,) * (1 + len(needs))
-        result = call.run_backward(output_grads)
+            return (None,) * (2 + len(needs))
+        result = call.run_backward(output_grads, targets, plain=plain)
         ctx.call = ctx.columns = None  # the stash is freed; a second backward is an error
-        return (None, *call.input_grads(result, needs))
+        return (None, None, *call.input_grads(result, targets))
+
+
+def pipelined(call: PipelinedCall, inputs: Sequence[torch.Tensor]
+              ) -> tuple[torch.Tensor, ...]:
+    """The outputs of ``call`` connected to autograd through ``inputs`` (those that need
+    a gradient, parameters included): :class:`PipelinedFunction` with a fresh anchor,
+    which also connects the outputs where no input requires grad."""
+    anchor = torch.empty(0, requires_grad=True)
+    return PipelinedFunction.apply(call, anchor, *inputs)

@@ -281,12 +281,16 @@ class Executor:
                  grain: str, keys: list[RngKey | None], fence_version: int,
                  autocast: tuple[str, torch.dtype] | None = None,
                  on_grads: Callable[..., None] | None = None,
-                 hooks: HookPlan = NO_HOOKS) -> RunResult:
+                 hooks: HookPlan = NO_HOOKS,
+                 only: frozenset[str] | None = None) -> RunResult:
         """Backward of a recorded :meth:`forward`: the tail recomputes like a backward
-        stage, then the backward stages run."""
+        stage, then the backward stages run.  ``only``: the inputs and parameter slots
+        whose gradients are asked for (``torch.autograd.grad(out, x)``,
+        ``backward(inputs=...)``); the others are not computed, and jobs through which
+        none of those flows are skipped.  None: every one."""
         call = self._new_call("backward", [dict(s) for s in stash], [None] * len(stash), None,
                               grain, False, keys, fence_version, record=True,
-                              autocast=autocast)
+                              autocast=autocast, only=only)
         call.state = dict(getattr(stash, "state", {}))
         call.on_grads = on_grads
         call.hooks = hooks
@@ -298,15 +302,18 @@ class Executor:
     def _new_call(self, mode: str, inputs: list[dict[str, Any]], labels: list[Any],
                   loss_fn: Callable | None, grain: str, want_outputs: bool,
                   keys: list[RngKey | None], fence_version: int, record: bool = True,
-                  autocast: tuple[str, torch.dtype] | None = None) -> _Call:
+                  autocast: tuple[str, torch.dtype] | None = None,
+                  only: frozenset[str] | None = None) -> _Call:
         num_mb = len(inputs)
         # Gradients of inputs only flow back through forward() + backward(); a training
         # call has nowhere to return them.
         grad_inputs = frozenset(
             name for name, v in inputs[0].items()
-            if isinstance(v, torch.Tensor) and v.requires_grad) \
+            if isinstance(v, torch.Tensor) and v.requires_grad
+            and (only is None or name in only)) \
             if inputs and mode != "train" else frozenset()
-        carries = self._carries(grad_inputs) if (mode != "forward" or record) else frozenset()
+        carries = self._carries(grad_inputs, only) if (mode != "forward" or record) \
+            else frozenset()
         return _Call(
             mode=mode, num_mb=num_mb, grain=grain, keys=keys,
             store=[dict(x) for x in inputs], grads=[{} for _ in range(num_mb)],
@@ -315,10 +322,13 @@ class Executor:
             done={}, losses=[None] * num_mb, autocast=autocast, steps=self.landing.steps(),
             measure_norms=self.host.wants_grad_norms())
 
-    def _carries(self, grad_inputs: frozenset[str]) -> frozenset[str]:
+    def _carries(self, grad_inputs: frozenset[str], only: frozenset[str] | None = None
+                 ) -> frozenset[str]:
         """Values through which gradients flow: those depending on a trainable parameter
-        or on an input that requires grad (node-level, inside every unit program)."""
-        trainable = frozenset(s for s in self.host.specs if self.host.trainable(s))
+        (among ``only``, if given) or on an input that requires grad (node-level, inside
+        every unit program)."""
+        trainable = frozenset(s for s in self.host.specs if self.host.trainable(s)
+                              and (only is None or s in only))
         key = (trainable, grad_inputs)
         cached = self._carries_cache.get(key)
         if cached is not None:
