@@ -219,6 +219,35 @@ def test_autograd_grad_returns_parameter_gradients_without_writing_them(front):
         run.close()
 
 
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_hooked_parameter_runs_its_hook_only_when_its_gradient_is_asked_for(front):
+    """A parameter with a tensor hook stays out of the Function's inputs under pipe(x)
+    (the engine would call the hook with None); autograd.grad wrt x runs no hook and
+    writes nothing, a plain backward runs it once, as in eager."""
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(6, 5)
+    eager = copy.deepcopy(model)
+    eager.b.weight.register_hook(lambda g: g * 3)
+    xe = _leaf(x)
+    (want_x,) = torch.autograd.grad(eager(xe).pow(2).sum(), xe)
+    eager(x).pow(2).sum().backward()
+    run = Front(front, copy.deepcopy(model), 3)
+    calls = []
+    run.model.b.weight.register_hook(lambda g: calls.append(g) or g * 3)
+    try:
+        xi = _leaf(x)
+        (got_x,) = torch.autograd.grad(run(xi).pow(2).sum(), xi)
+        torch.testing.assert_close(got_x, want_x, **TOL)
+        assert calls == []
+        assert all(g is None for g in run.seen().values())
+        run(x).pow(2).sum().backward()
+        assert len(calls) == 1 and calls[0] is not None
+        _assert_grads(run.seen(), {n: p.grad for n, p in eager.named_parameters()})
+    finally:
+        run.close()
+
+
 @pytest.mark.parametrize("front", FRONTS + ["forward_backward"])
 def test_a_parameter_frozen_between_calls_gets_no_more_gradient(front):
     """requires_grad_(False) between two calls: the second call adds nothing to that
