@@ -354,7 +354,15 @@ class _PipelinedGraph:
             self.num_microbatch = 1
             note = ("microbatches: 1 (" + (split if isinstance(split, str) else
                                            "num_microbatch=1") + ")")
-        log.info("roundpipe: %s", note)
+        if self.num_microbatch < wanted:
+            # Asked for more: say so once, at compile time, not only in plan.notes.
+            log.warning("roundpipe: calls of this graph run as %d microbatch%s, not the %d "
+                        "asked for (num_microbatch): %s", self.num_microbatch,
+                        "" if self.num_microbatch == 1 else "es", wanted,
+                        split if isinstance(split, str) else
+                        f"the batch has {split.batch} samples")
+        else:
+            log.info("roundpipe: %s", note)
         cap, origin = backend._memory_cap()
         # The passes from layers on, as roundpipe.compile runs them.
         self.plan, _, _ = plan_from_traced(

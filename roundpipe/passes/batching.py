@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .dynamo import DynamoGraph, hook_sites
-from .trace import MUTATES
+from .trace import MODULE_PATH, MUTATES
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,11 @@ def analyze_batching(dg: DynamoGraph) -> BatchSplit | str:
     graph = dg.traced.graph_module.graph
     mutates = [n for n in graph.nodes if n.meta.get(MUTATES)]
     if mutates:
-        return (f"{mutates[0].format_node()} updates buffers in place (each microbatch "
+        return (f"{_op(mutates[0])} updates buffers in place (each microbatch "
                 "would update them again)")
     hooks = hook_sites(graph)
     if hooks:
-        return (f"{hooks[0].format_node()} registers a tensor hook, which would run once "
+        return (f"{_op(hooks[0])} registers a tensor hook, which would run once "
                 "per microbatch on its share of the gradient (eager runs it once, on the "
                 "whole batch's)")
     by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
@@ -158,6 +158,17 @@ def _hint(size: Any) -> int | None:
     return int(hint) if hint is not None else None
 
 
+def _op(node: torch.fx.Node) -> str:
+    """An op as a reason names it, on one short line: ``multi_head_attention_forward
+    (in module 'attn')``, ``view of x_3``."""
+    if node.op == "call_method":
+        name = f".{node.target}()"
+    else:
+        name = getattr(node.target, "__name__", None) or str(node.target)
+    where = node.meta.get(MODULE_PATH)
+    return f"{name} ({node.name}" + (f", in module {where!r})" if where else ")")
+
+
 def _example(node: Any) -> Any:
     return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else node
 
@@ -207,7 +218,7 @@ def _bind(fn: Callable[..., Any], node: torch.fx.Node, args: tuple) -> dict[str,
     try:
         bound = inspect.signature(fn).bind(*args, **node.kwargs)
     except (TypeError, ValueError):
-        raise _NotSafe(f"cannot read the arguments of {node.format_node()}") from None
+        raise _NotSafe(f"cannot read the arguments of {_op(node)}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -237,7 +248,7 @@ def _transfer(node: torch.fx.Node, state: dict[torch.fx.Node, tuple]) -> tuple:
     op = _Op(node)
     handler = _handler(node, op)
     if handler is None:
-        raise _NotSafe(f"{node.format_node()} is applied to batch-dependent values and "
+        raise _NotSafe(f"{_op(node)} is applied to batch-dependent values and "
                        "roundpipe does not know whether it keeps samples apart")
     return handler(op, state)
 
@@ -270,11 +281,11 @@ def _elementwise(op: _Op, state: dict) -> tuple:
     if kinds & {"sum", "mean"}:
         return _scalar_arith(op, args, states)
     if kinds - {"R", "B"}:
-        raise _NotSafe(f"{node.format_node()} mixes batch sizes into tensor values")
+        raise _NotSafe(f"{_op(node)} mixes batch sizes into tensor values")
     out_nd = value.dim()
     aligned = {out_nd - (_ndim(a) - s[1]) for a, s in zip(args, states) if s[0] == "B"}
     if len(aligned) != 1:
-        raise _NotSafe(f"{node.format_node()} combines tensors batched along different "
+        raise _NotSafe(f"{_op(node)} combines tensors batched along different "
                        "dimensions")
     d = aligned.pop()
     for a, s in zip(args, states):
@@ -282,7 +293,7 @@ def _elementwise(op: _Op, state: dict) -> tuple:
             shape = _shape(a)
             i = d - (out_nd - len(shape))
             if 0 <= i < len(shape) and not _is_one(shape[i]):
-                raise _NotSafe(f"{node.format_node()} broadcasts {a.name} (not split, size "
+                raise _NotSafe(f"{_op(node)} broadcasts {a.name} (not split, size "
                                f"{shape[i]}) against the batch dimension")
     return _b(d)
 
@@ -295,7 +306,7 @@ def _int_arith(op: _Op, args: list[Any], states: list[tuple]) -> tuple:
     if op.node.target in _PROPORTIONAL and sum(s == S for s in states) == 1 and \
             all(s in (R, S) for s in states):
         return S
-    raise _NotSafe(f"{op.node.format_node()} computes with the batch size")
+    raise _NotSafe(f"{_op(op.node)} computes with the batch size")
 
 
 def _scalar_arith(op: _Op, args: list[Any], states: list[tuple]) -> tuple:
@@ -328,7 +339,7 @@ def _scalar_arith(op: _Op, args: list[Any], states: list[tuple]) -> tuple:
             target in (operator.add, operator.sub, torch.add, torch.sub)
             or name in ("add", "sub")):
         return reduced[0]
-    raise _NotSafe(f"{op.node.format_node()} combines a sum or mean over the batch in a way "
+    raise _NotSafe(f"{_op(op.node)} combines a sum or mean over the batch in a way "
                    "that does not merge exactly")
 
 
@@ -342,11 +353,11 @@ def _single_batched(op: _Op, state: dict) -> tuple[int, int]:
     first = op.args[0] if op.args else None
     s = _st(first, state)
     if s[0] != "B":
-        raise _NotSafe(f"{op.node.format_node()}: its batch-dependent input is not its "
+        raise _NotSafe(f"{_op(op.node)}: its batch-dependent input is not its "
                        "first argument")
     for a in _flat((op.args[1:], op.node.kwargs)):
         if isinstance(a, torch.fx.Node) and state[a] != R:
-            raise _NotSafe(f"{op.node.format_node()} has several batch-dependent inputs")
+            raise _NotSafe(f"{_op(op.node)} has several batch-dependent inputs")
     return s[1], _ndim(first)
 
 
@@ -356,7 +367,7 @@ def _dim_local(arg_index: int, name: str, default: Any = None) -> Callable[[_Op,
         d, nd = _single_batched(op, state)
         dim = _arg(op.node, op.args, arg_index, name, default)
         if dim is None or _norm(dim, nd) == d:
-            raise _NotSafe(f"{op.node.format_node()} runs along the batch dimension")
+            raise _NotSafe(f"{_op(op.node)} runs along the batch dimension")
         return _b(d)
     return handler
 
@@ -369,7 +380,7 @@ def _dim_local_pair(arg_index: int, name: str, default: Any = None
         d, nd = _single_batched(op, state)
         dim = _arg(op.node, op.args, arg_index, name, default)
         if dim is None or _norm(dim, nd) == d:
-            raise _NotSafe(f"{op.node.format_node()} runs along the batch dimension")
+            raise _NotSafe(f"{_op(op.node)} runs along the batch dimension")
         return ("multi", (_b(d), _b(d)))
     return handler
 
@@ -383,11 +394,11 @@ def _gather_scatter(op: _Op, state: dict) -> tuple:
     x = op.args[0] if op.args else None
     sx = _st(x, state)
     if sx[0] != "B":
-        raise _NotSafe(f"{node.format_node()} writes batch values into a replicated tensor")
+        raise _NotSafe(f"{_op(node)} writes batch values into a replicated tensor")
     d, nd = sx[1], _ndim(x)
     dim = _arg(node, op.args, 1, "dim")
     if not isinstance(dim, int) or _norm(dim, max(nd, 1)) == d:
-        raise _NotSafe(f"{node.format_node()} indexes along the batch dimension")
+        raise _NotSafe(f"{_op(node)} indexes along the batch dimension")
     rows = _shape(x)[d]
     for a in _flat((op.args[2:], node.kwargs)):
         if not isinstance(a, torch.fx.Node) or _is_scalar(a):
@@ -395,7 +406,7 @@ def _gather_scatter(op: _Op, state: dict) -> tuple:
         shape = _shape(a)
         if _st(a, state) != sx or len(shape) != nd \
                 or not statically_known_true(shape[d] == rows):
-            raise _NotSafe(f"{node.format_node()}: {a.name} is not batched like "
+            raise _NotSafe(f"{_op(node)}: {a.name} is not batched like "
                            f"{x.name}, so rows could move between samples")
     return _b(d)
 
@@ -405,7 +416,7 @@ def _layer_norm(op: _Op, state: dict) -> tuple:
     shape = _arg(op.node, op.args, 1, "normalized_shape")
     count = 1 if isinstance(shape, int) else len(shape)
     if d >= nd - count:
-        raise _NotSafe(f"{op.node.format_node()} normalizes over the batch dimension")
+        raise _NotSafe(f"{_op(op.node)} normalizes over the batch dimension")
     return _b(d)
 
 
@@ -414,7 +425,7 @@ def _batch_first(expected_ndim: Callable[[int], bool]) -> Callable[[_Op, dict], 
     def handler(op: _Op, state: dict) -> tuple:
         d, nd = _single_batched(op, state)
         if d != 0 or not expected_ndim(nd):
-            raise _NotSafe(f"{op.node.format_node()} needs the batch in dimension 0 of a "
+            raise _NotSafe(f"{_op(op.node)} needs the batch in dimension 0 of a "
                            "batched input")
         return _b(0)
     return handler
@@ -426,14 +437,14 @@ def _norm_layer(op: _Op, state: dict) -> tuple:
     d, nd = _single_batched(op, state)
     mixes = args.get("training") if "training" in args else False
     if mixes or d != 0 or nd < 2:
-        raise _NotSafe(f"{op.node.format_node()} computes statistics over the batch")
+        raise _NotSafe(f"{_op(op.node)} computes statistics over the batch")
     return _b(0)
 
 
 def _linear(op: _Op, state: dict) -> tuple:
     d, nd = _single_batched(op, state)
     if d >= nd - 1:
-        raise _NotSafe(f"{op.node.format_node()} contracts the batch dimension")
+        raise _NotSafe(f"{_op(op.node)} contracts the batch dimension")
     return _b(d)
 
 
@@ -445,7 +456,7 @@ def _embedding(op: _Op, state: dict) -> tuple:
 def _one_hot(op: _Op, state: dict) -> tuple:
     d, _ = _single_batched(op, state)
     if _arg(op.node, op.args, 1, "num_classes", -1) == -1:  # inferred from every sample
-        raise _NotSafe(f"{op.node.format_node()} infers num_classes from the whole batch")
+        raise _NotSafe(f"{_op(op.node)} infers num_classes from the whole batch")
     return _b(d)
 
 
@@ -459,7 +470,7 @@ def _matmul(op: _Op, state: dict) -> tuple:
         return _b(sb[1] + no - nb)
     if sa[0] == "B" and sb[0] == "B" and na == nb >= 3 and sa[1] == sb[1] < na - 2:
         return _b(sa[1])
-    raise _NotSafe(f"{op.node.format_node()} contracts or broadcasts the batch dimension")
+    raise _NotSafe(f"{_op(op.node)} contracts or broadcasts the batch dimension")
 
 
 def _sdpa(op: _Op, state: dict) -> tuple:
@@ -467,7 +478,7 @@ def _sdpa(op: _Op, state: dict) -> tuple:
     states = {_st(x, state) for x in (q, k, v)}
     nd = _ndim(q)
     if len(states) != 1 or next(iter(states))[0] != "B" or next(iter(states))[1] >= nd - 2:
-        raise _NotSafe(f"{op.node.format_node()}: query, key and value are not batched "
+        raise _NotSafe(f"{_op(op.node)}: query, key and value are not batched "
                        "alike")
     d = next(iter(states))[1]
     mask = _arg(op.node, op.args, 3, "attn_mask")
@@ -477,19 +488,63 @@ def _sdpa(op: _Op, state: dict) -> tuple:
         i = d - (nd - len(shape))
         if sm == R:
             if 0 <= i < len(shape) and not _is_one(shape[i]):
-                raise _NotSafe(f"{op.node.format_node()}: the mask {mask.name} is not split "
+                raise _NotSafe(f"{_op(op.node)}: the mask {mask.name} is not split "
                                "but has the batch's size")
         elif sm != _b(i):
-            raise _NotSafe(f"{op.node.format_node()}: the mask is batched along another "
+            raise _NotSafe(f"{_op(op.node)}: the mask is batched along another "
                            "dimension")
     return _b(d)
+
+
+def _multi_head_attention(op: _Op, state: dict) -> tuple:
+    """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, whose ``forward``
+    transposes ``batch_first`` inputs to ``(L, N, E)`` first): row ``n`` of the query
+    attends to row ``n`` of the key and value only, so it keeps samples apart when query,
+    key and value are batched along dimension 1 alike.  The masks must be batched with
+    them: ``key_padding_mask`` ``(N, S)`` along dimension 0, a 3-D ``attn_mask`` and
+    ``static_k`` / ``static_v`` ``(N * heads, ...)`` along dimension 0 (sample ``n``'s
+    heads are rows ``n * heads`` to ``n * heads + heads - 1``, whole blocks); a 2-D
+    ``attn_mask`` is shared by every sample.  Returns (output along dimension 1, the
+    attention weights, ``(N, ...)``, along dimension 0)."""
+    node = op.node
+    args = _bind(node.target, node, op.args)
+    q = args["query"]
+    rows = _shape(q)[1] if _ndim(q) == 3 else None
+    for name in ("query", "key", "value"):
+        x = args[name]
+        if _ndim(x) != 3 or _st(x, state) != _b(1) or \
+                not statically_known_true(_shape(x)[1] == rows):
+            raise _NotSafe(f"{_op(node)}: its {name} is not batched along dimension 1 like "
+                           "the query (an (L, N, E) input)")
+    heads = args["num_heads"]
+    batched_masks = {"key_padding_mask": (2, rows), "attn_mask": (3, None),
+                     "static_k": (3, None), "static_v": (3, None)}
+    for name, value in args.items():
+        if name in ("query", "key", "value") or not isinstance(value, torch.fx.Node):
+            continue
+        s = state[value]
+        if name == "attn_mask" and s == R and _ndim(value) == 2:
+            continue  # (L, S): the same for every sample
+        if name not in batched_masks:
+            if s != R:
+                raise _NotSafe(f"{_op(node)}: its {name} depends on the batch")
+            continue
+        ndim, size = batched_masks[name]
+        size = size if size is not None else (rows * heads if isinstance(heads, int)
+                                              else None)
+        if s != _b(0) or _ndim(value) != ndim or size is None or \
+                not statically_known_true(_shape(value)[0] == size):
+            raise _NotSafe(f"{_op(node)}: its {name} is not batched along dimension 0 with "
+                           "the query's samples")
+    weights = _example(node)[1] if isinstance(_example(node), (tuple, list)) else None
+    return ("multi", (_b(1), _b(0) if isinstance(weights, torch.Tensor) else R))
 
 
 def _pad(op: _Op, state: dict) -> tuple:
     d, nd = _single_batched(op, state)
     pad = _arg(op.node, op.args, 1, "pad")
     if not isinstance(pad, (list, tuple)) or d >= nd - len(pad) // 2:
-        raise _NotSafe(f"{op.node.format_node()} pads the batch dimension")
+        raise _NotSafe(f"{_op(op.node)} pads the batch dimension")
     return _b(d)
 
 
@@ -500,19 +555,19 @@ def _reduction(op: _Op, state: dict) -> tuple:
     d, nd = _single_batched(op, state)
     dim = _arg(op.node, op.args, 1, "dim")
     if op.name in ("var", "std") and len(op.args) > 2:  # positional unbiased/keepdim
-        raise _NotSafe(f"cannot read the arguments of {op.node.format_node()}")
+        raise _NotSafe(f"cannot read the arguments of {_op(op.node)}")
     keepdim = bool(op.node.kwargs.get("keepdim", False) if op.name in ("var", "std")
                    else _arg(op.node, op.args, 2, "keepdim", False))
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         kind = _REDUCTIONS.get(op.name)
         if kind is None or _ndim(op.node) != 0:
-            raise _NotSafe(f"{op.node.format_node()} reduces over the whole batch")
+            raise _NotSafe(f"{_op(op.node)} reduces over the whole batch")
         return (kind,)
     if isinstance(dim, torch.fx.Node):
-        raise _NotSafe(f"{op.node.format_node()}: the reduced dimension is not a constant")
+        raise _NotSafe(f"{_op(op.node)}: the reduced dimension is not a constant")
     dims = {_norm(x, nd) for x in (dim if isinstance(dim, (list, tuple)) else [dim])}
     if d in dims:
-        raise _NotSafe(f"{op.node.format_node()} reduces over the batch dimension")
+        raise _NotSafe(f"{_op(op.node)} reduces over the batch dimension")
     new = d if keepdim else d - sum(1 for x in dims if x < d)
     if isinstance(_example(op.node), tuple):  # max/min with dim: (values, indices)
         return ("multi", tuple(_b(new) for _ in _example(op.node)))
@@ -534,21 +589,21 @@ def _loss(op: _Op, state: dict) -> tuple:
     inp, tgt = args.get("input"), args.get("target")
     reduction = args.get("reduction", "mean")
     if args.get("size_average") is not None or args.get("reduce") is not None:
-        raise _NotSafe(f"{op.node.format_node()} uses the deprecated size_average/reduce")
+        raise _NotSafe(f"{_op(op.node)} uses the deprecated size_average/reduce")
     si, st = _st(inp, state), _st(tgt, state)
     for key, value in args.items():
         if key not in ("input", "target") and isinstance(value, torch.fx.Node) \
                 and state[value] != R:
-            raise _NotSafe(f"{op.node.format_node()}: {key} depends on the batch")
+            raise _NotSafe(f"{_op(op.node)}: {key} depends on the batch")
     if si[0] != "B" or st[0] != "B":
-        raise _NotSafe(f"{op.node.format_node()}: input and target are not both batched")
+        raise _NotSafe(f"{_op(op.node)}: input and target are not both batched")
     d = si[1]
     classwise = fn in (F.cross_entropy, F.nll_loss)
     if classwise:
         if d != 0 or st[1] != 0:
-            raise _NotSafe(f"{op.node.format_node()} needs the batch in dimension 0")
+            raise _NotSafe(f"{_op(op.node)} needs the batch in dimension 0")
     elif st[1] != d or _ndim(inp) != _ndim(tgt):
-        raise _NotSafe(f"{op.node.format_node()}: input and target are batched differently")
+        raise _NotSafe(f"{_op(op.node)}: input and target are batched differently")
     if reduction == "none":
         return _b(d)
     if reduction == "sum":
@@ -557,7 +612,7 @@ def _loss(op: _Op, state: dict) -> tuple:
         return ("mean",)
     if reduction == "batchmean" and d == 0:
         return ("mean",)
-    raise _NotSafe(f"{op.node.format_node()} with reduction={reduction!r} divides by a count "
+    raise _NotSafe(f"{_op(op.node)} with reduction={reduction!r} divides by a count "
                    "that is not proportional to the batch (ignored targets, class weights); "
                    "use reduction='sum' and divide outside to microbatch it")
 
@@ -597,7 +652,7 @@ def _reshape(op: _Op, state: dict) -> tuple:
     else:
         sizes = _sizes_arg(op, 1)
         if len(sizes) != len(out_shape):
-            raise _NotSafe(f"cannot read the sizes of {node.format_node()}")
+            raise _NotSafe(f"cannot read the sizes of {_op(node)}")
         size_states = [_st(s, state) for s in sizes]
         if S not in size_states:  # an inferred size (-1) may take the batch
             inferred = [j for j, s in enumerate(sizes) if isinstance(s, int) and s == -1]
@@ -612,7 +667,7 @@ def _reshape(op: _Op, state: dict) -> tuple:
         if statically_known_true(_prod(out_shape[:j]) == before) and \
                 statically_known_true(per_sample % rest == 0):
             return _b(j)
-    raise _NotSafe(f"{node.format_node()} reshapes the batch dimension (or gives its size as "
+    raise _NotSafe(f"{_op(node)} reshapes the batch dimension (or gives its size as "
                    "a constant: compile with dynamic=True, or mark the batch dimension "
                    "dynamic, to microbatch it)")
 
@@ -620,7 +675,7 @@ def _reshape(op: _Op, state: dict) -> tuple:
 def _single_batched_any(op: _Op, state: dict, x: Any) -> tuple[int, int]:
     s = _st(x, state)
     if s[0] != "B":
-        raise _NotSafe(f"{op.node.format_node()}: unexpected batch dependence")
+        raise _NotSafe(f"{_op(op.node)}: unexpected batch dependence")
     return s[1], _ndim(x)
 
 
@@ -635,7 +690,7 @@ def _flatten(op: _Op, state: dict) -> tuple:
     shape = _shape(op.args[0])
     if all(_is_one(shape[i]) for i in range(start, d)):
         return _b(start)
-    raise _NotSafe(f"{op.node.format_node()} merges the batch dimension with a dimension "
+    raise _NotSafe(f"{_op(op.node)} merges the batch dimension with a dimension "
                    "before it")
 
 
@@ -644,7 +699,7 @@ def _unflatten(op: _Op, state: dict) -> tuple:
     dim = _norm(_arg(op.node, op.args, 1, "dim"), nd)
     sizes = _arg(op.node, op.args, 2, "sizes")
     if dim == d or not isinstance(sizes, (list, tuple)):
-        raise _NotSafe(f"{op.node.format_node()} splits the batch dimension")
+        raise _NotSafe(f"{_op(op.node)} splits the batch dimension")
     return _b(d + len(sizes) - 1 if dim < d else d)
 
 
@@ -677,11 +732,11 @@ def _squeeze(op: _Op, state: dict) -> tuple:
     d, nd = _single_batched(op, state)
     dim = _arg(op.node, op.args, 1, "dim")
     if dim is None:
-        raise _NotSafe(f"{op.node.format_node()} would drop the batch dimension of a "
+        raise _NotSafe(f"{_op(op.node)} would drop the batch dimension of a "
                        "one-sample microbatch")
     dims = {_norm(x, nd) for x in (dim if isinstance(dim, (list, tuple)) else [dim])}
     if d in dims:
-        raise _NotSafe(f"{op.node.format_node()} squeezes the batch dimension")
+        raise _NotSafe(f"{_op(op.node)} squeezes the batch dimension")
     return _b(d - sum(1 for x in dims if x < d))
 
 
@@ -690,7 +745,7 @@ def _select_like(op: _Op, state: dict) -> tuple:
     d, nd = _single_batched(op, state)
     dim = _norm(_arg(op.node, op.args, 1, "dim"), nd)
     if dim == d:
-        raise _NotSafe(f"{op.node.format_node()} indexes the batch dimension")
+        raise _NotSafe(f"{_op(op.node)} indexes the batch dimension")
     if op.name == "select" and dim < d:
         return _b(d - 1)
     return _b(d)
@@ -701,7 +756,7 @@ def _split_like(op: _Op, state: dict) -> tuple:
     index = 1 if op.name == "unbind" else 2
     dim = _norm(_arg(op.node, op.args, index, "dim", 0), nd)
     if dim == d:
-        raise _NotSafe(f"{op.node.format_node()} splits along the batch dimension")
+        raise _NotSafe(f"{_op(op.node)} splits along the batch dimension")
     new = d - 1 if (op.name == "unbind" and dim < d) else d
     value = _example(op.node)
     count = len(value) if isinstance(value, (list, tuple)) else 0
@@ -711,10 +766,10 @@ def _split_like(op: _Op, state: dict) -> tuple:
 def _cat(op: _Op, state: dict) -> tuple:
     tensors = _arg(op.node, op.args, 0, "tensors")
     if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise _NotSafe(f"cannot read the inputs of {op.node.format_node()}")
+        raise _NotSafe(f"cannot read the inputs of {_op(op.node)}")
     states = {_st(t, state) for t in tensors}
     if len(states) != 1 or next(iter(states))[0] != "B":
-        raise _NotSafe(f"{op.node.format_node()} joins batched and unbatched tensors")
+        raise _NotSafe(f"{_op(op.node)} joins batched and unbatched tensors")
     d = next(iter(states))[1]
     nd = _ndim(tensors[0])
     stack = op.name == "stack"
@@ -722,7 +777,7 @@ def _cat(op: _Op, state: dict) -> tuple:
     if stack:
         return _b(d + 1 if dim <= d else d)
     if dim == d:
-        raise _NotSafe(f"{op.node.format_node()} concatenates along the batch dimension")
+        raise _NotSafe(f"{_op(op.node)} concatenates along the batch dimension")
     return _b(d)
 
 
@@ -734,7 +789,7 @@ def _expand(op: _Op, state: dict) -> tuple:
         return _b(j)
     sizes = _sizes_arg(op, 1)
     if len(sizes) != out_nd or not (sizes[j] == -1 or _st(sizes[j], state) == S):
-        raise _NotSafe(f"{op.node.format_node()} gives the batch size as a constant")
+        raise _NotSafe(f"{_op(op.node)} gives the batch size as a constant")
     return _b(j)
 
 
@@ -742,7 +797,7 @@ def _like(op: _Op, state: dict) -> tuple:
     """zeros_like(x) and friends: shaped like x."""
     s = _st(op.args[0], state)
     if s[0] != "B":
-        raise _NotSafe(f"{op.node.format_node()}: unexpected batch dependence")
+        raise _NotSafe(f"{_op(op.node)}: unexpected batch dependence")
     return s
 
 
@@ -752,7 +807,7 @@ def _factory(op: _Op, state: dict) -> tuple:
     sizes = _sizes_arg(op, start)
     states = [_st(s, state) for s in sizes]
     if any(s not in (R, S) for s in states) or states.count(S) != 1:
-        raise _NotSafe(f"{op.node.format_node()} creates a tensor from batch-dependent "
+        raise _NotSafe(f"{_op(op.node)} creates a tensor from batch-dependent "
                        "values")
     return _b(states.index(S))
 
@@ -779,7 +834,7 @@ def _getattr(op: _Op, state: dict) -> tuple:
         return _b(nd - 1 if d == nd - 2 else nd - 2 if d == nd - 1 else d)
     if attr == "T" and s[0] == "B" and _ndim(op.args[0]) == 2:
         return _b(1 - s[1])
-    raise _NotSafe(f"{op.node.format_node()}: attribute {attr!r} of a batch-dependent value")
+    raise _NotSafe(f"{_op(op.node)}: attribute {attr!r} of a batch-dependent value")
 
 
 def _getitem(op: _Op, state: dict) -> tuple:
@@ -787,20 +842,20 @@ def _getitem(op: _Op, state: dict) -> tuple:
     s = _st(base, state)
     if s[0] == "multi":
         if not isinstance(index, int):
-            raise _NotSafe(f"{op.node.format_node()}: non-constant index")
+            raise _NotSafe(f"{_op(op.node)}: non-constant index")
         return s[1][index]
     if s[0] == "shape":
         if isinstance(index, int):
             return S if _norm(index, len(_example(base))) == s[1] else R
-        raise _NotSafe(f"{op.node.format_node()} slices a shape that holds the batch size")
+        raise _NotSafe(f"{_op(op.node)} slices a shape that holds the batch size")
     if s[0] != "B":
-        raise _NotSafe(f"{op.node.format_node()} indexes a batch-dependent value")
+        raise _NotSafe(f"{_op(op.node)} indexes a batch-dependent value")
     items = list(index) if isinstance(index, tuple) else [index]
     bounds = [b for it in items if isinstance(it, slice) for b in (it.start, it.stop, it.step)]
     for a in _flat(items) + bounds:
         if isinstance(a, torch.fx.Node) and (isinstance(_example(a), torch.Tensor)
                                              or state[a] != R):
-            raise _NotSafe(f"{op.node.format_node()} indexes a batched tensor with a tensor "
+            raise _NotSafe(f"{_op(op.node)} indexes a batched tensor with a tensor "
                            "or with the batch size")
     nd = _ndim(base)
     consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
@@ -817,17 +872,17 @@ def _getitem(op: _Op, state: dict) -> tuple:
             out_dim += 1
         elif isinstance(it, int) and not isinstance(it, bool):
             if in_dim == d:
-                raise _NotSafe(f"{op.node.format_node()} picks one sample")
+                raise _NotSafe(f"{_op(op.node)} picks one sample")
             in_dim += 1
         elif isinstance(it, slice):
             if in_dim == d:
                 if it != slice(None, None, None):
-                    raise _NotSafe(f"{op.node.format_node()} slices the batch dimension")
+                    raise _NotSafe(f"{_op(op.node)} slices the batch dimension")
                 return _b(out_dim)
             in_dim += 1
             out_dim += 1
         else:
-            raise _NotSafe(f"{op.node.format_node()}: index {it!r} is not understood")
+            raise _NotSafe(f"{_op(op.node)}: index {it!r} is not understood")
     return _b(out_dim + d - in_dim)  # the batch dimension lies after the indexed ones
 
 
@@ -894,6 +949,8 @@ _register(["one_hot"], _one_hot, modules=(F, torch._C._nn), methods=False)
 _register(["matmul", "bmm"], _matmul)
 _FUNCTIONS[operator.matmul] = _matmul
 _register(["scaled_dot_product_attention"], _sdpa, methods=False)
+_register(["multi_head_attention_forward"], _multi_head_attention, modules=(F,),
+          methods=False)
 _register(["pad"], _pad, modules=(F, torch._C._nn), methods=False)
 _register(["sum", "mean", "amax", "amin", "prod", "var", "std", "logsumexp", "argmax",
            "argmin", "all", "any"], _reduction)

@@ -1,0 +1,148 @@
+"""``torch.compile(backend="roundpipe")`` splits calls into the microbatches asked for where
+``passes/batching.py`` proves it exact (``nn.MultiheadAttention`` included), and says so in
+one warning line, naming the op, where it cannot."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from roundpipe import backend as rb
+from roundpipe.passes.batching import BatchSplit, analyze_batching
+from roundpipe.passes.dynamo import from_dynamo
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    rb.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Attention(nn.Module):
+    """Linear -> nn.MultiheadAttention (batch_first, optional key padding mask) -> Linear."""
+
+    def __init__(self, need_weights: bool = False, batch_first: bool = True) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        self.out = nn.Linear(8, 8)
+        self.need_weights = need_weights
+
+    def forward(self, x, mask=None):
+        h = self.inp(x)
+        a, w = self.att(h, h, h, key_padding_mask=mask, need_weights=self.need_weights)
+        y = self.out(torch.tanh(a))
+        return (y, w) if self.need_weights else y
+
+
+def _batch(masked: bool):
+    torch.manual_seed(1)
+    x = torch.randn(6, 5, 8, dtype=torch.float64)
+    mask = None
+    if masked:  # every sample keeps at least its first key
+        mask = torch.rand(6, 5) < 0.4
+        mask[:, 0] = False
+    return x, mask
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_is_split_into_the_microbatches_asked_for(masked, need_weights,
+                                                                      caplog):
+    """nn.MultiheadAttention ran as 1 microbatch of the 3 asked for ('does not know whether
+    it keeps samples apart'); it now splits, outputs and gradients equal eager on the
+    whole batch (float64)."""
+    torch.manual_seed(0)
+    model = Attention(need_weights).double()
+    eager = Attention(need_weights).double()
+    eager.load_state_dict(model.state_dict())
+    x, mask = _batch(masked)
+    cmodel = torch.compile(model, backend="roundpipe",
+                           options={"devices": ["cpu"] * 3, "num_microbatch": 3})
+    with caplog.at_level(logging.WARNING, logger="roundpipe"):
+        got = cmodel(x, mask)
+    want = eager(x, mask)
+    plans = rb.plans()
+    assert any("microbatches: 3" in n for p in plans for n in p.notes), \
+        [p.notes for p in plans]
+    assert not [r for r in caplog.records if "microbatch" in r.getMessage()]
+    got, want = (got if need_weights else (got,)), (want if need_weights else (want,))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    (sum((g * torch.arange(g.numel(), dtype=g.dtype).view_as(g).cos()).sum() for g in got)
+     ).backward()
+    (sum((w * torch.arange(w.numel(), dtype=w.dtype).view_as(w).cos()).sum() for w in want)
+     ).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def _capture(model: nn.Module, *args) -> object:
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(from_dynamo(gm, list(example_inputs)))
+        return gm.forward
+
+    torch.compile(model, backend=backend)(*args)
+    return graphs[0]
+
+
+def test_multihead_attention_proof_refuses_what_mixes_samples():
+    """The rule is sound, not permissive: a sequence-first input split along its leading
+    (sequence) dimension, or a key padding mask that is not split with the query (a
+    module-held mask, replicated), keep the call whole."""
+    torch.manual_seed(0)
+    x, mask = _batch(True)
+    seq_first = Attention(batch_first=False).double()
+    reason = analyze_batching(_capture(seq_first, x.transpose(0, 1).contiguous()))
+    assert isinstance(reason, str) and "multi_head_attention_forward" in reason, reason
+
+    class HeldMask(Attention):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mask", mask.clone())
+
+        def forward(self, x):
+            return super().forward(x, self.mask)
+
+    reason = analyze_batching(_capture(HeldMask().double(), x))
+    assert isinstance(reason, str) and "key_padding_mask" in reason, reason
+    # The same model with the mask passed along with the batch is proven.
+    split = analyze_batching(_capture(Attention().double(), x, mask))
+    assert isinstance(split, BatchSplit) and split.outputs == (0,), split
+
+
+class Gathers(nn.Module):
+    """torch.take reads elements by flat index: across samples, so no split is proven."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.fc2(torch.take(h, torch.tensor([0, 5, 7])).expand(x.shape[0], 3)
+                        .repeat(1, 2)[:, :4])
+
+
+def test_a_call_not_split_as_asked_is_one_warning_naming_the_op(caplog):
+    """Before, the reason was only in plan.notes and the call silently ran as 1
+    microbatch; now one warning line names the op and the microbatches used."""
+    model = Gathers()
+    x = torch.randn(6, 4)
+    cmodel = torch.compile(model, backend="roundpipe",
+                           options={"devices": ["cpu"] * 2, "num_microbatch": 3})
+    with caplog.at_level(logging.WARNING, logger="roundpipe"):
+        torch.testing.assert_close(cmodel(x), model(x))
+    lines = [r.getMessage() for r in caplog.records
+             if r.levelno >= logging.WARNING and r.name.startswith("roundpipe")]
+    assert len(lines) == 1, lines
+    assert "\n" not in lines[0]
+    assert "1 microbatch, not the 3 asked for" in lines[0] and "take" in lines[0], lines[0]
