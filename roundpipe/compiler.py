@@ -13,8 +13,9 @@ import torch
 from .errors import ConfigError, PartitionError
 from .passes.codegen import build_stage_module, generate_unit_programs
 from .passes.cost import CostReport, DeviceModel, estimate_costs
-from .passes.layers import (LayerAssignment, ModuleTree, assign_layers, find_unit_roots,
-                            module_tree, parallel_containers)
+from .passes.layers import (LayerAssignment, ModuleTree, assign_layers, find_open_modules,
+                            find_unit_roots, module_tree, one_unit_reason,
+                            parallel_containers)
 from .passes.leaves import resolve_leaf_modules
 from .passes.memory import MemoryModel, ReplayFailed
 from .passes.output_merge import default_split, plan_output_merge
@@ -94,10 +95,19 @@ def assign_units(traced: TracedGraph, tree: ModuleTree,
     """Pass 2, layers, as both front ends run it: group nodes into layer units
     (repeated blocks, prologue, epilogue); sibling blocks that do not feed one another
     (experts) are kept whole."""
-    layers = assign_layers(traced, find_unit_roots(tree, hidden))
+    def assign(hidden: frozenset[str]) -> LayerAssignment:
+        roots = find_unit_roots(tree, hidden)
+        return assign_layers(traced, roots, find_open_modules(tree, roots, hidden))
+
+    layers = assign(hidden)
     parallel = parallel_containers(traced, layers)
     if parallel:
-        layers = assign_layers(traced, find_unit_roots(tree, hidden | parallel))
+        layers = assign(hidden | parallel)
+    if len(layers.units) == 1:
+        # Nothing to pipeline: say why, in the plan and at compile time.
+        note = one_unit_reason(tree, hidden, layers)
+        log.warning("roundpipe: %s", note)
+        layers = dataclasses.replace(layers, notes=layers.notes + (note,))
     return layers
 
 

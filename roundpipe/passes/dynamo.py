@@ -394,7 +394,8 @@ def module_path(node: torch.fx.Node) -> str:
 def graph_module_tree(graph: torch.fx.Graph, state: Iterable[StateSpec]) -> ModuleTree:
     """The module hierarchy as the graph shows it: paths and types from the nodes'
     ``nn_module_stack``, parameter counts from the state's names.  A module whose children
-    are all numbered (``h.0``, ``h.1``) stands for a ``ModuleList`` / ``Sequential``."""
+    are all numbered (``h.0``, ``h.1``) stands for a ``ModuleList`` / ``Sequential``, one
+    never called whose children are for a ``ModuleDict``."""
     types: dict[str, type | None] = {}
     for node in graph.nodes:
         for path, cls in (node.meta.get("nn_module_stack") or {}).values():
@@ -420,8 +421,17 @@ def graph_module_tree(graph: torch.fx.Graph, state: Iterable[StateSpec]) -> Modu
             children.setdefault(parent, []).append(path)
             types.setdefault(parent, None)
     ordered = {path: tuple(sorted(kids, key=_path_key)) for path, kids in children.items()}
-    sequences = frozenset(path for path, kids in ordered.items()
-                          if kids and all(k.rpartition(".")[2].isdigit() for k in kids))
+    # Containers: numbered children (ModuleList, Sequential), a container class, or a
+    # module below the root that is never called itself while its children are (a
+    # ModuleDict, whose owner calls self.blocks[k]): Dynamo records only called modules.
+    sequences = frozenset(
+        path for path, kids in ordered.items()
+        if kids and (all(k.rpartition(".")[2].isdigit() for k in kids)
+                     or (types.get(path) is None and path
+                         and all(types.get(k) is not None for k in kids))
+                     or (isinstance(types.get(path), type) and issubclass(
+                         types[path], (torch.nn.ModuleList, torch.nn.Sequential,
+                                       torch.nn.ModuleDict)))))
     return ModuleTree(ordered, types, numel, sequences)
 
 

@@ -6,9 +6,14 @@ A *layer unit* is the atom the partitioner cuts between.  The units are:
   with at least two children of one type that hold parameters), at any depth; where such a
   child is itself mostly made of repeated containers (``stages[i].blocks[j]``), the inner
   children are the units;
-* every other module, at the shallowest path that is not an ancestor of a unit (for
-  ``LlamaForCausalLM``: ``model.embed_tokens``, ``model.rotary_emb``, ``model.norm``,
-  ``lm_head``); a model with no repeated blocks gets one unit per top-level child.
+* every other module, at the shallowest path that is neither an ancestor of a unit nor
+  an *opened* module (for ``LlamaForCausalLM``: ``model.embed_tokens``,
+  ``model.rotary_emb``, ``model.norm``, ``lm_head``).  Opened (:func:`find_open_modules`):
+  the root; a *run of layers* outside every repeated block (an ``nn.Sequential``,
+  ``ModuleList`` or ``ModuleDict`` with two or more children holding parameters, of mixed
+  types: ``Linear, ReLU, Linear``); and, below the root, each module that is the only
+  one holding parameters (a wrapper: ``self.net = Net()``).  So a model with no repeated
+  blocks gets one unit per layer of its run or of its trunk, however deeply it sits.
 
 Nodes that run directly in an ancestor's ``forward`` (glue: mask building, residual adds
 between blocks) join the unit before them.  Units are contiguous runs of nodes in graph
@@ -53,6 +58,8 @@ _NESTED_COVERAGE = 0.5
 # most this many units, of consecutive applications: each unit costs host work per
 # microbatch, and this many cut points balance any realistic number of devices.
 _MAX_APPLICATION_UNITS = 16
+# Containers of modules: their children are the layers (runs, repeated blocks).
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ class ModuleTree:
 
     Paths are dotted (``""`` is the root).  ``kind`` is the module's type (None where
     unknown), ``numel`` the parameters it holds (tied ones once), ``sequences`` the
-    containers whose children are numbered positions (``ModuleList``, ``Sequential``).
+    containers of modules (``ModuleList``, ``Sequential``, ``ModuleDict``).
     """
 
     children: dict[str, tuple[str, ...]]
@@ -91,7 +98,7 @@ def module_tree(model: torch.nn.Module) -> ModuleTree:
         kind[path] = type(module)
         numel[path] = sum(p.numel() for p in module.parameters())
         children[path] = tuple(_join(path, n) for n, _ in module.named_children())
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+        if isinstance(module, _CONTAINERS):
             sequences.add(path)
     return ModuleTree(children, kind, numel, frozenset(sequences))
 
@@ -139,6 +146,83 @@ def find_unit_roots(model: torch.nn.Module | ModuleTree, opaque: Iterable[str] =
         return roots
 
     return tuple(expand("") if repeated("") else roots_in(""))
+
+
+def find_open_modules(model: torch.nn.Module | ModuleTree, roots: Iterable[str] = (),
+                      opaque: Iterable[str] = ()) -> tuple[str, ...]:
+    """Modules, outside every unit root in ``roots``, whose children are units of their
+    own (the root always is): runs of layers (a container with two or more children that
+    hold parameters: ``nn.Sequential(Linear, ReLU, Linear)``), and the trunk below the
+    root (each module that is the only child holding parameters, at any depth: a wrapper
+    around the model's layers).  Where the layers sit then does not change the units:
+    ``self.layers = nn.Sequential(...)`` gets the units a bare ``nn.Sequential`` gets.
+
+    A module is opened only when its children hold all of its parameters (its own code
+    would otherwise become glue); leaf modules (``opaque``) and what is inside them never
+    are.
+    """
+    tree = model if isinstance(model, ModuleTree) else module_tree(model)
+    inside = tuple(roots) + tuple(opaque)
+
+    def covered(path: str) -> bool:
+        return any(path == r or path.startswith(r + ".") for r in inside)
+
+    def holders(path: str) -> list[str]:
+        return [k for k in tree.children.get(path, ()) if tree.numel.get(k, 0) > 0]
+
+    def splittable(path: str) -> bool:
+        kids = holders(path)
+        return bool(kids) and not covered(path) and \
+            sum(tree.numel.get(k, 0) for k in kids) >= tree.numel.get(path, 0)
+
+    opened: list[str] = []
+    path = ""
+    while True:  # the trunk: wrappers around the model's layers
+        kids = holders(path)
+        if len(kids) != 1 or not splittable(kids[0]):
+            break
+        path = kids[0]
+        opened.append(path)
+    for path in tree.children:  # runs of layers, wherever they sit
+        if path and path in tree.sequences and len(holders(path)) >= 2 \
+                and splittable(path) and path not in opened:
+            opened.append(path)
+    return tuple(opened)
+
+
+def one_unit_reason(tree: ModuleTree, hidden: Iterable[str], layers: LayerAssignment
+                    ) -> str:
+    """Why a model got a single unit (so one stage, nothing pipelined), in one line."""
+    hidden = frozenset(hidden)
+    path = ""
+    while True:  # down the wrappers to where the parameters sit
+        kids = [k for k in tree.children.get(path, ()) if tree.numel.get(k, 0) > 0]
+        if len(kids) != 1 or path in hidden:
+            break
+        path = kids[0]
+    kind = tree.kind.get(path)
+    what = repr(path) if path else "the model"
+    if kind is not None:
+        what += f" ({kind.__name__})"
+    own = tree.numel.get(path, 0) - sum(tree.numel.get(k, 0) for k in kids)
+    if layers.notes:
+        why = layers.notes[-1].removeprefix("layers: ")
+    elif path and path in hidden:
+        why = f"its parameters are all in {what}, which is kept opaque (a leaf module)"
+    elif not kids and path:
+        why = f"its parameters are all in one layer, {what}"
+    elif not kids:
+        why = f"{what} holds its parameters itself (no submodule holds any)"
+    elif own > 0:
+        why = (f"{what} computes with parameters of its own besides its children's, so "
+               "it is not split between them")
+    else:
+        why = ("the layers it calls read or write each other's values in place, or were "
+               "kept together for another reason given in the plan's notes")
+    return ("layers: the whole model is one unit, so the plan has 1 stage and nothing is "
+            f"pipelined: {why}; roundpipe cuts between modules holding parameters (repeated "
+            "blocks in a ModuleList/Sequential/ModuleDict, or a run of layers such as "
+            "nn.Sequential(Linear, ReLU, Linear))")
 
 
 def _join(prefix: str, name: str) -> str:
@@ -189,8 +273,10 @@ def _applied_in_a_row(nodes: list[torch.fx.Node], roots: tuple[str, ...],
             if not any(p != q and inside(p, q) for q in found)}
 
 
-def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssignment:
-    """Assign every computing node of ``traced`` to a layer unit."""
+def assign_layers(traced: TracedGraph, unit_roots: Iterable[str],
+                  opened: Iterable[str] = ()) -> LayerAssignment:
+    """Assign every computing node of ``traced`` to a layer unit; the children of the
+    ``opened`` modules (:func:`find_open_modules`) are units of their own."""
     graph = traced.graph_module.graph
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     param_paths = {".".join(name.split(".")[:i])
@@ -209,9 +295,12 @@ def assign_layers(traced: TracedGraph, unit_roots: Iterable[str]) -> LayerAssign
     per_unit = {p: -(-len(c) // _MAX_APPLICATION_UNITS) for p, c in applications.items()}
     root_set = set(roots)
     ancestors = {""}
-    for r in roots:
+    for r in roots + tuple(opened):
         parts = r.split(".")
         ancestors.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    # an opened module's children are units: it is an ancestor, unless a unit holds it
+    ancestors.update(p for p in opened if not any(
+        p == r or p.startswith(r + ".") for r in roots))
 
     def key_of(path: str) -> str | None:
         parts = path.split(".") if path else []
