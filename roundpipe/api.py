@@ -26,6 +26,7 @@ from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
 from .passes.dtype_check import mixed_dtype_op
 from .passes.output_merge import plan_output_merge
+from .passes.trace import describe_tensors, refuse_unrunnable_example
 from . import host_step
 from .plan import HostStepEstimate, InputSignature, OutputMergePlan, StagePlan
 from .runtime.call import autocast_state, memory_budget, microbatch_keys
@@ -260,7 +261,7 @@ class RoundPipe:
         if not isinstance(example_args, tuple):
             example_args = (example_args,)
         cfg = self._config(None)
-        with self._diagnose_dtypes(example_args, dict(example_kwargs or {})):
+        with self._diagnose_dtypes(example_args, dict(example_kwargs or {}), call=False):
             mbs = split_inputs(example_args, dict(example_kwargs or {}), cfg.num_microbatch,
                                cfg.split_input)
             entry = self._compiled_for(mbs, example_args, dict(example_kwargs or {}), cfg)
@@ -346,11 +347,21 @@ class RoundPipe:
             log.info("roundpipe: recompiling %s for a new input signature or mode",
                      type(self.model).__name__)
         with _tracing_autocast(self.devices[0].torch_device.type, autocast):
-            analysis = analyze(self.model, example[0], example[1],
-                               cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
-                               device_model=self.device_model,
-                               leaf_modules=self.leaf_modules + self._found_leaves,
-                               share_blocks=self.share_blocks, grad=grad)
+            try:
+                analysis = analyze(self.model, example[0], example[1],
+                                   cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
+                                   device_model=self.device_model,
+                                   leaf_modules=self.leaf_modules + self._found_leaves,
+                                   share_blocks=self.share_blocks, grad=grad)
+            except TraceError as e:
+                if getattr(e, "example_error", None) is None or not per_mb:
+                    raise
+                # The model cannot run one microbatch: say it of the batch the user passed.
+                refuse_unrunnable_example(self.model, full_args, full_kwargs)
+                raise TraceError(
+                    f"{e} (a microbatch of the {len(mbs)} the batch is split into; the "
+                    f"whole batch, {describe_tensors(full_args, full_kwargs)}, runs: use "
+                    "num_microbatch=1 or a model that runs on fewer samples)") from None
         # A recompile (new shapes, eval mode) goes straight to the leaves this one needed.
         self._found_leaves = analysis.leaves
         plan = make_plan(analysis.program, analysis.units, analysis.report,
@@ -576,20 +587,38 @@ class RoundPipe:
             return loss
 
     @contextlib.contextmanager
-    def _diagnose_dtypes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    def _diagnose_dtypes(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         call: bool = True) -> Iterator[None]:
         """Turn a failure caused by inputs of another dtype than the model into a clear
-        InputError.  Only on failure: many models cast their inputs themselves."""
+        InputError.  Only on failure: many models cast their inputs themselves.  A call
+        whose inputs the model cannot run (a wrong shape) is one InputError too."""
         try:
             yield
-        except (StageError, TraceError) as e:
-            hint = _dtype_mismatch(self.model, args, kwargs)
-            if hint is None or not _mentions_dtype(e):
-                raise
-            # Raised from here, not chained: the cause is one line of the message (and
-            # ``error.original`` for whoever wants the whole story).
-            error = InputError(f"{hint}; the call failed with: {_root_line(e)}")
-            error.original = e  # type: ignore[attr-defined]
-            raise error from None
+        except TraceError as e:
+            cause = getattr(e, "example_cause", None)
+            if call and cause is not None and _dtype_mismatch(self.model, args, kwargs) is None:
+                error = InputError(
+                    f"{type(self.model).__name__} cannot run this call's inputs "
+                    f"({describe_tensors(args, kwargs)}): {cause}")
+                error.original = e  # type: ignore[attr-defined]
+                raise error from None
+            self._diagnose_dtype_error(e, args, kwargs)
+            raise
+        except StageError as e:
+            self._diagnose_dtype_error(e, args, kwargs)
+            raise
+
+    def _diagnose_dtype_error(self, e: RoundPipeError, args: tuple[Any, ...],
+                              kwargs: dict[str, Any]) -> None:
+        """Raise the InputError that says ``e`` came from an input's dtype, if it did."""
+        hint = _dtype_mismatch(self.model, args, kwargs)
+        if hint is None or not _mentions_dtype(e):
+            return
+        # Raised from here, not chained: the cause is one line of the message (and
+        # ``error.original`` for whoever wants the whole story).
+        error = InputError(f"{hint}; the call failed with: {_root_line(e)}")
+        error.original = e  # type: ignore[attr-defined]
+        raise error from None
 
     @contextlib.contextmanager
     def _replica_call(self) -> Iterator[Any]:

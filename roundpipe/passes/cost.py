@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from ..plan import ModelProgram, UnitCost
 from .layers import LayerAssignment
 from .memory import MemoryModel, build_memory_model
-from .trace import TracedGraph
+from .trace import TracedGraph, fake_tensor_errors_to_debug
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def _interpret(traced: TracedGraph) -> _CostInterpreter:
     counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
     interp = _CostInterpreter(gm, counter, state_names, memoize=True)
     try:
-        with fake_mode, counter:
+        with fake_mode, counter, fake_tensor_errors_to_debug():
             interp.run(*fake_args)
         return interp
     except Exception as e:  # noqa: BLE001 - any failure: measure with real tensors instead

@@ -147,7 +147,7 @@ def trace(
     _refuse_sparse_gradients(model)
     # One trace at a time: export, and the block sharing inside it, patch nn.Module
     # process-wide while they run.
-    with _TRACE_LOCK, torch.set_grad_enabled(grad):
+    with _TRACE_LOCK, torch.set_grad_enabled(grad), fake_tensor_errors_to_debug():
         with _watch_buffer_reassignment(model) as reassigned, \
                 watch_forward_hooks(model) as hooks_watch:
             traced = _trace(model, example_args, example_kwargs, leaf_modules=leaf_modules,
@@ -235,6 +235,11 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
     tries.append(("fx", lambda: _trace_fx(model, example_args, example_kwargs,
                                           frozenset(leaf_modules))))
     for method, attempt in tries:
+        if method == "fx" and attempts:
+            # torch.fx records no shapes: it would trace a model that cannot run this
+            # example, and the first call would fail inside a stage.  Tell "the model
+            # cannot run this input" from "export cannot trace this model" first.
+            refuse_unrunnable_example(model, example_args, example_kwargs)
         traced = _attempt(model, method, attempt, attempts)
         if traced is not None:
             return traced
@@ -259,6 +264,79 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
     message = _trace_failure_message(model, attempts, failing_module(model, export_error),
                                      leaves)
     raise TraceError(message) from attempts[-1][1]
+
+
+def refuse_unrunnable_example(model: torch.nn.Module, args: tuple[Any, ...],
+                              kwargs: dict[str, Any]) -> None:
+    """Run ``model`` once eagerly on the example (in the caller's grad mode, as tracing
+    does; buffers, plain tensor attributes and the CPU RNG are put back) and raise
+    :class:`TraceError` if it fails there:
+    a wrong example, not a tracing problem.  The error's ``example_error`` is the model's
+    own exception (``original`` too)."""
+    kept = list(model.named_buffers()) + tensor_attributes(model)
+    saved = {n: t.detach().clone() for n, t in kept}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure of the model's own code
+        shapes = describe_tensors(args, kwargs)
+        error = TraceError(
+            f"{type(model).__name__} cannot run the example input ({shapes}): "
+            f"{_describe(e)}. Pass example inputs that the model runs eagerly, shaped like "
+            "the calls to come")
+        error.example_error = e  # type: ignore[attr-defined]
+        error.example_cause = _describe(e)  # type: ignore[attr-defined]
+        error.original = e  # type: ignore[attr-defined]
+        raise error from None
+    finally:
+        with torch.no_grad():
+            for n, t in list(model.named_buffers()) + tensor_attributes(model):
+                if n in saved and saved[n].shape == t.shape:
+                    t.copy_(saved[n])
+
+
+def describe_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """``input_args[0] (16, 33) float32, attention_mask (16, 33) int64``."""
+    parts = []
+    for path, leaf in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(f"{_input_path(path)} {tuple(leaf.shape)} "
+                         f"{str(leaf.dtype).replace('torch.', '')}")
+    return ", ".join(parts) or "no tensors"
+
+
+def _input_path(path: tuple[Any, ...]) -> str:
+    """``input_args[0]``, ``input_kwargs['mask']`` (as the user wrote the call)."""
+    head = "input_args" if getattr(path[0], "idx", None) == 0 else "input_kwargs"
+    return head + "".join(f"[{getattr(k, 'idx', getattr(k, 'key', k))!r}]" for k in path[1:])
+
+
+# torch logs every failing meta kernel at ERROR with a traceback ("failed while attempting
+# to run meta for aten.mm.default", about 20 lines each, several per failed export).
+_FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
+
+
+@contextlib.contextmanager
+def fake_tensor_errors_to_debug() -> Iterator[None]:
+    """Move the fake-tensor ERROR records of this thread's tracing (a failed export, a
+    fake interpretation) to roundpipe's debug log: each failure is reported once, by
+    roundpipe.  Other threads' records pass as before."""
+    logger = logging.getLogger(_FAKE_TENSOR_LOG)
+    thread = threading.get_ident()
+
+    def divert(record: logging.LogRecord) -> bool:
+        if record.thread != thread:
+            return True
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("roundpipe: torch (%s): %s", record.name, record.getMessage(),
+                      exc_info=record.exc_info)
+        return False
+
+    logger.addFilter(divert)
+    try:
+        yield
+    finally:
+        logger.removeFilter(divert)
 
 
 def _backward_hooked_modules(model: torch.nn.Module) -> tuple[str, ...]:

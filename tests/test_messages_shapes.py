@@ -1,0 +1,152 @@
+"""A wrong input shape is one short error naming the user's argument, its whole-batch shape
+and the model's line, at compile time or at the call; torch's fake-tensor ERROR logs from
+roundpipe's tracing stay out of the user's terminal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import roundpipe
+from roundpipe import InputError, RoundPipe, TraceError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))  # the line a wrong width fails on
+        return self.fc2(h)
+
+
+def test_an_example_the_model_cannot_run_is_a_trace_error_before_any_plan():
+    """Before: export failed, the fx fallback returned a plan (the cause only in
+    plan.notes) and the first call failed inside a stage."""
+    with pytest.raises(TraceError) as info:
+        roundpipe.compile(Net(), example_args=(torch.randn(16, 33),), devices=["cpu"] * 2)
+    message = str(info.value)
+    assert "Net cannot run the example input (input_args[0] (16, 33) float32)" in message
+    assert "16x33 and 32x16" in message and "(6x33" not in message
+    assert "test_messages_shapes.py" in message and "h = torch.relu(self.fc1(x))" in message
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert isinstance(info.value.original, RuntimeError)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["forward_backward", "forward"])
+def test_a_call_of_the_wrong_shape_is_one_input_error_with_the_whole_batch(how):
+    """Before: a StageError quoting the microbatch's shape (6x33), after pages of logs."""
+    with RoundPipe(Net(), devices=["cpu"] * 2) as pipe:
+        pipe.forward_backward(input_args=(torch.randn(16, 32),), loss_fn=lambda o, _: o.sum())
+        x = torch.randn(16, 33)
+        with pytest.raises(InputError) as info:
+            if how == "forward":
+                pipe(x)
+            else:
+                pipe.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.sum())
+    message = str(info.value)
+    assert "Net cannot run this call's inputs (input_args[0] (16, 33) float32)" in message
+    assert "16x33 and 32x16" in message and "(6x33" not in message
+    assert "h = torch.relu(self.fc1(x))" in message
+
+
+class Stateful(nn.Module):
+    """BatchNorm in training updates its running statistics when run; dropout draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out(torch.dropout(self.bn(self.fc(x)), 0.5, True))
+
+
+def test_the_example_run_that_tells_the_cases_apart_leaves_no_trace(monkeypatch):
+    """Where export fails, the model runs once eagerly before the fx fallback: its
+    buffers and the RNG are as they were, and the fallback's plan is returned."""
+    from roundpipe.passes import trace as trace_pass
+
+    def export_fails(*args, **kwargs):
+        raise RuntimeError("export is not available in this test")
+
+    torch.manual_seed(0)
+    model = Stateful()
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    x = torch.randn(8, 4)
+    rng = torch.get_rng_state()
+    trace_pass.refuse_unrunnable_example(model, (x,), {})
+    for n, b in model.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+    assert torch.equal(torch.get_rng_state(), rng)
+    monkeypatch.setattr(trace_pass, "_trace_export_sharing", export_fails)
+    pipe = roundpipe.compile(model, example_args=(x,), devices=["cpu"] * 2)
+    try:
+        assert pipe.plan.program.trace_method == "fx"
+    finally:
+        pipe.close()
+
+
+SCRIPT = """
+import logging, sys, torch, torch.nn as nn, roundpipe
+from roundpipe import RoundPipe
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h)
+
+if sys.argv[2] == "debug":
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("roundpipe").setLevel(logging.DEBUG)
+if sys.argv[1] == "compile":
+    roundpipe.compile(Net(), example_args=(torch.randn(16, 33),), devices=["cpu"] * 2)
+else:
+    with RoundPipe(Net(), devices=["cpu"] * 2) as pipe:
+        pipe.forward_backward(input_args=(torch.randn(16, 32),), loss_fn=lambda o, _: o.sum())
+        pipe.forward_backward(input_args=(torch.randn(16, 33),), loss_fn=lambda o, _: o.sum())
+"""
+
+
+def _run(*argv: str) -> str:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), *argv],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("when", ["compile", "call"])
+def test_a_wrong_shape_prints_a_screen_not_pages(when):
+    """Before: 114 (compile) and 185-210 (call) lines, mostly torch's fake-tensor ERROR
+    logs; eager PyTorch prints 22 for the same mistake."""
+    out = _run(when, "plain")
+    lines = out.strip().splitlines()
+    assert len(lines) <= 22, out
+    assert "failed while attempting to run meta" not in out
+    assert lines[-1].startswith("roundpipe.errors." + ("TraceError" if when == "compile"
+                                                        else "InputError")), lines[-1]
+    assert "(16, 33)" in lines[-1]
+
+
+def test_torchs_fake_tensor_errors_go_to_roundpipes_debug_log():
+    """Silenced for the user, kept for whoever asks for roundpipe's debug log."""
+    out = _run("compile", "debug")
+    assert "DEBUG:roundpipe" in out and "failed while attempting to run meta" in out
+    assert "ERROR:torch._subclasses.fake_tensor" not in out
