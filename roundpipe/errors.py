@@ -83,7 +83,9 @@ class StepError(RoundPipeError, RuntimeError):
 
 
 class OptimizerError(RoundPipeError, ValueError):
-    """A ``roundpipe.optim`` optimizer was given something it cannot update."""
+    """An optimizer cannot update what it was given: a ``roundpipe.optim`` optimizer's
+    arguments, or an optimizer stepped inside ``pipe.step`` that holds the model's
+    parameters in place of their masters, or nothing it could step."""
 
 
 class NonFiniteGradientError(RoundPipeError, RuntimeError):

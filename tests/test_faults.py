@@ -359,8 +359,8 @@ def test_keyboard_interrupt_during_an_async_step():
     expected = [p.detach() - 0.1 * p.grad for p in pipe.optim_parameters()]
 
     def slow_step():
+        opt.step()  # first: the first pipe.step waits until its optimizer is checked
         time.sleep(0.3)
-        opt.step()
         opt.zero_grad()
 
     pipe.step(slow_step)
@@ -541,6 +541,8 @@ def test_a_failed_step_is_reported_even_when_another_was_queued_behind_it():
     pipe = _pipe()
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
     _call(pipe)
+    # (a pipe's first step is waited for until its optimizer passed its check)
+    pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
 
     def bad():
         time.sleep(0.1)

@@ -152,6 +152,9 @@ def test_conversions_wait_for_the_pending_step(monkeypatch):
     pipe, args = _setup()
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-3)
     pipe.forward_backward(**args)
+    # (a pipe's first step is waited for until its optimizer has passed its check)
+    pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    pipe.forward_backward(**args)
     step_end: list[float] = []
 
     def slow_step() -> None:

@@ -431,6 +431,10 @@ def _slow_steps(landing_buffers, monkeypatch):
                    landing_buffers=landing_buffers,
                    model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
         opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-3)
+        # A pipe's first step is waited for until its optimizer has passed its check
+        # (runtime/optimizer_check.py): one exact step first, so the slow ones overlap.
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
         for _ in range(2):
             pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
             landing.clear()

@@ -20,10 +20,20 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from ..errors import StepError
+from ..errors import OptimizerError, StepError
 from .host_state import ModelState
+from .optimizer_check import MisbuiltOptimizerError, watching
 
 log = logging.getLogger(__name__)
+
+
+class _Verdict:
+    """Whether a step's optimizers passed the checks of optimizer_check.py: set once an
+    optimizer over the pipe's tensors is about to step, or when the step ends."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.misbuilt = False
 
 
 class OptimizerWorker:
@@ -34,6 +44,9 @@ class OptimizerWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="roundpipe-optim")
         self._pending: list[Future] = []  # steps not yet waited for, in order
         self._local = threading.local()  # on the optimizer thread: the running step
+        # Until a step has run whole, pipe.step waits for its step: an optimizer that
+        # cannot update the pipe (optimizer_check.py) fails the first pipe.step itself.
+        self._checked = False
 
     @property
     def on_worker(self) -> bool:
@@ -58,18 +71,30 @@ class OptimizerWorker:
         version = self.host.fences.schedule()
         if on_enqueue is not None:
             on_enqueue(version)
-        self._pending.append(self._executor.submit(self._run, fn, version))
+        checked = _Verdict()
+        self._pending.append(self._executor.submit(self._run, fn, version, checked))
         if not is_async:
             self.synchronize()
+        elif not self._checked:
+            # Until one step has passed, wait for this one's verdict (its first optimizer
+            # over the pipe's tensors about to step, or its end), not for the whole step.
+            checked.event.wait()
+            if checked.misbuilt:
+                self.wait()  # raises it; other failures are reported as before, later
 
-    def _run(self, fn: Callable[[], Any], version: int) -> None:
+    def _run(self, fn: Callable[[], Any], version: int, checked: _Verdict | None = None
+             ) -> None:
         host = self.host
+        checked = checked or _Verdict()
         if host.has_masters:
             host.publish(version)
         self._local.inside, self._local.version = True, version
         try:
-            fn()
-        except BaseException:
+            with watching(host, on_pass=lambda: self._passed(checked)):
+                fn()
+            self._passed(checked)
+        except BaseException as e:
+            checked.misbuilt = isinstance(e, MisbuiltOptimizerError)
             if host.has_masters:
                 # The model weights still hold the last published version; make the
                 # masters agree so no half-applied update survives.
@@ -79,7 +104,12 @@ class OptimizerWorker:
             self._local.inside, self._local.version = False, None
             if not host.has_masters:
                 host.fences.publish_all(version)
+            checked.event.set()
         host.mark_dirty()
+
+    def _passed(self, checked: _Verdict) -> None:
+        self._checked = True
+        checked.event.set()
 
     def wait(self) -> None:
         """Wait for every pending step; raise :class:`StepError` for the first that failed.
@@ -95,13 +125,16 @@ class OptimizerWorker:
                 if not (pending.done() and pending.exception() is e):
                     raise  # the caller was interrupted while waiting; the step goes on
                 self._pending.pop(0)
+                unchanged = ("The model weights are unchanged since the last successful "
+                             "step" + (" and the masters were reset to them"
+                                       if self.host.has_masters else
+                                       " unless step_fn itself wrote them (use optim_dtype "
+                                       "to keep separate masters)"))
+                if isinstance(e, MisbuiltOptimizerError):  # the optimizer, not step_fn
+                    raise OptimizerError(f"{e}. {unchanged}") from None
                 raise StepError(
-                    f"step_fn raised {type(e).__name__}: {e}. The model weights are "
-                    "unchanged since the last successful step"
-                    + (" and the masters were reset to them" if self.host.has_masters else
-                       " unless step_fn itself wrote them (use optim_dtype to keep "
-                       "separate masters)") + "; fix step_fn and call step() again"
-                ) from e
+                    f"step_fn raised {type(e).__name__}: {e}. {unchanged}; fix step_fn "
+                    "and call step() again") from e
             self._pending.pop(0)
 
     def pending_steps(self) -> list[Future]:

@@ -1,0 +1,150 @@
+"""Which optimizers a ``step_fn`` steps, checked before each one writes anything.
+
+With ``optim_dtype`` the gradients land on master copies (``pipe.optim_parameters()``);
+the model's own parameters never get a ``.grad``.  An optimizer built the usual way,
+``torch.optim.AdamW(model.parameters())``, would then step nothing and leave the weights
+as they were, with no error.  torch's global optimizer step pre-hook sees every optimizer
+that steps; while a pipe's ``step_fn`` runs on its optimizer thread, the hook checks what
+the optimizer holds and refuses, before its step, one that holds the model's parameters
+in place of their masters, or one that holds nothing of the pipe and nothing with a
+gradient (its step is a no-op).  Optimizers over other modules' parameters (a step_fn may
+train something else too) pass.  Other threads are not watched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..errors import OptimizerError
+from .host_state import ModelState
+from .masters import owner_of, raw_grad
+
+_local = threading.local()
+_hook_lock = threading.Lock()
+_hook: Any = None  # the global pre-hook's handle, registered once per process
+
+
+class MisbuiltOptimizerError(OptimizerError):
+    """An optimizer stepped inside ``pipe.step`` cannot update the pipe's weights."""
+
+
+class StepWatch:
+    """One step of one pipe: what its optimizers hold."""
+
+    def __init__(self, state: ModelState, on_pass: Callable[[], None] = lambda: None
+                 ) -> None:
+        self.state = state
+        self.on_pass = on_pass
+        self.stepped_pipe = False  # an optimizer over the pipe's parameters stepped
+        self._ids: tuple[dict[int, str], dict[int, str]] | None = None
+
+    def _names(self) -> tuple[dict[int, str], dict[int, str]]:
+        """(id -> name) of the pipe's optimized tensors, and of the model's trainable
+        parameters that masters stand in for (empty without masters)."""
+        if self._ids is None:
+            named = self.state.named_masters()
+            shadowed = ({id(self.state.model.get_parameter(n)): n for n, _ in named}
+                        if self.state.has_masters else {})
+            self._ids = {id(t): n for n, t in named}, shadowed
+        return self._ids
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        optimized, shadowed = self._names()
+        groups = getattr(optimizer, "param_groups", None) or []
+        held: list[list[str]] = []   # per group: the pipe's tensors it holds
+        wrong: list[list[str]] = []  # per group: model parameters standing for masters
+        n_params = 0
+        with_grad = False
+        for group in groups:
+            params = list(group.get("params", ()))
+            n_params += len(params)
+            held.append([optimized[id(p)] for p in params if id(p) in optimized])
+            wrong.append([shadowed[id(p)] for p in params if id(p) in shadowed])
+            with_grad = with_grad or any(raw_grad(p) is not None or owner_of(p) is not None
+                                         for p in params if isinstance(p, torch.Tensor))
+        name = _optimizer_name(optimizer)
+        total = len(optimized)
+        if any(wrong):
+            raise MisbuiltOptimizerError(_shadowed_message(
+                name, held, wrong, total, self.state.optim_dtype, len(groups)))
+        if any(held):
+            self.stepped_pipe = True
+            self.on_pass()
+            return
+        if not with_grad:
+            raise MisbuiltOptimizerError(
+                f"{name}, stepped inside pipe.step, holds {n_params} tensor(s), none of "
+                f"them the pipe's and none with a gradient, so its step changes nothing. "
+                f"It should hold the pipe's {total} trainable tensor(s), "
+                f"pipe.optim_parameters(): build it as {name}(pipe.optim_parameters(), "
+                "...) (param groups by name: pipe.optim_named_parameters())")
+
+
+def _optimizer_name(optimizer: Any) -> str:
+    cls = type(optimizer)
+    module = cls.__module__
+    if module.startswith("torch.optim"):
+        return f"torch.optim.{cls.__name__}"
+    if module.startswith("roundpipe.optim"):
+        return f"roundpipe.optim.{cls.__name__}"
+    return cls.__name__
+
+
+def _listed(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _shadowed_message(name: str, held: list[list[str]], wrong: list[list[str]], total: int,
+                      dtype: torch.dtype | None, n_groups: int) -> str:
+    n_wrong = sum(map(len, wrong))
+    n_held = sum(map(len, held))
+    where = ""
+    if n_groups > 1:
+        where = " (" + "; ".join(
+            f"group {i}: {len(w)} model parameter(s), {len(h)} master(s)"
+            for i, (w, h) in enumerate(zip(wrong, held)) if w or h) + ")"
+    dtype_name = str(dtype).replace("torch.", "")
+    return (
+        f"{name}, stepped inside pipe.step, holds {n_wrong} of the model's own parameters "
+        f"({_listed([n for w in wrong for n in w])})"
+        + (f" and {n_held} of the pipe's {dtype_name} masters" if n_held else "")
+        + where + f". With optim_dtype=torch.{dtype_name} the gradients and the update "
+        f"go to {dtype_name} master copies, pipe.optim_parameters() ({total} tensor(s)); "
+        "the model's parameters never get a .grad, so this optimizer would leave them "
+        f"unchanged. It should hold the masters: {name}(pipe.optim_parameters(), ...), or "
+        "param groups built from pipe.optim_named_parameters(), which has the model's "
+        "names (e.g. to keep biases out of weight decay)")
+
+
+def _pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    watch = getattr(_local, "watch", None)
+    if watch is not None:
+        watch.check(optimizer)
+
+
+def _ensure_hook() -> None:
+    global _hook
+    with _hook_lock:
+        if _hook is None:
+            _hook = register_optimizer_step_pre_hook(_pre_hook)
+
+
+@contextlib.contextmanager
+def watching(state: ModelState, on_pass: Callable[[], None] = lambda: None
+             ) -> Iterator[StepWatch]:
+    """Check every optimizer that steps on this thread inside the block; ``on_pass``:
+    called when one over the pipe's tensors passed."""
+    _ensure_hook()
+    previous = getattr(_local, "watch", None)
+    watch = StepWatch(state, on_pass)
+    _local.watch = watch
+    try:
+        yield watch
+    finally:
+        _local.watch = previous

@@ -1,0 +1,191 @@
+"""The optimizer a user builds trains the pipe, or the first ``pipe.step`` says why not.
+
+With ``optim_dtype`` the gradients land on masters (``pipe.optim_parameters()``); an
+optimizer over ``model.parameters()`` used to step nothing, silently (exit code 0, weights
+unchanged)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import roundpipe.optim
+from roundpipe import OptimizerError, RoundPipe, RoundPipeRunConfig, StepError
+
+
+def _setup(optim_dtype=torch.float32, dtype=torch.float32, frozen=()):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]).to(dtype)
+    for i in frozen:
+        model[i].requires_grad_(False)
+    x = torch.randn(4, 6, dtype=dtype)
+    pipe = RoundPipe(model, devices=["cpu"] * 2, optim_dtype=optim_dtype,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    return pipe, model, x
+
+
+def _call(pipe, x):
+    return pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).sum())
+
+
+def _snapshot(pipe, model):
+    return ([p.detach().clone() for p in model.parameters()],
+            [m.detach().clone() for m in pipe.optim_parameters()])
+
+
+def _unchanged(pipe, model, before):
+    weights, masters = before
+    return (all(torch.equal(a, b) for a, b in zip(model.parameters(), weights))
+            and all(torch.equal(a, b) for a, b in zip(pipe.optim_parameters(), masters)))
+
+
+OPTIMIZERS = [lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+              lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+              lambda ps: roundpipe.optim.AdamW(ps, lr=1e-2)]
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS, ids=["torch.AdamW", "torch.SGD", "rp.AdamW"])
+@pytest.mark.parametrize("is_async", [True, False])
+def test_an_optimizer_over_the_models_parameters_fails_the_first_step(make, is_async):
+    pipe, model, x = _setup()
+    opt = make(model.parameters())
+    _call(pipe, x)
+    before = _snapshot(pipe, model)
+    with pytest.raises(OptimizerError) as error:
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+    message = str(error.value)
+    assert not isinstance(error.value, StepError)
+    for part in ("holds 8 of the model's own parameters", "'0.weight'",
+                 "pipe.optim_parameters()", "optim_dtype=torch.float32",
+                 "The model weights are unchanged"):
+        assert part in message, (part, message)
+    pipe.synchronize()  # nothing left to report
+    assert _unchanged(pipe, model, before)
+    # Built over the masters, the same loop trains.
+    good = make(pipe.optim_parameters())
+    pipe.step(lambda: (good.step(), good.zero_grad()), is_async=is_async)
+    pipe.synchronize()
+    assert not torch.equal(model[0].weight, before[0][0])
+    pipe.close()
+
+
+def test_partial_and_grouped_optimizers_name_what_they_hold():
+    pipe, model, x = _setup()
+    masters = dict(pipe.optim_named_parameters())
+    params = dict(model.named_parameters())
+    # Groups as Hugging Face builds them, half from the masters, half from the model.
+    opt = torch.optim.AdamW([
+        {"params": [masters[n] for n in masters if n.endswith("weight")], "weight_decay": 0.1},
+        {"params": [params[n] for n in params if n.endswith("bias")], "weight_decay": 0.0}])
+    _call(pipe, x)
+    before = _snapshot(pipe, model)
+    with pytest.raises(OptimizerError) as error:
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+    message = str(error.value)
+    assert "holds 4 of the model's own parameters ('0.bias'" in message
+    assert "and 4 of the pipe's float32 masters" in message
+    assert "group 1: 4 model parameter(s), 0 master(s)" in message
+    assert "pipe.optim_named_parameters()" in message
+    assert _unchanged(pipe, model, before)
+    pipe.close()
+
+
+def test_a_second_optimizer_that_is_wrong_undoes_the_first():
+    pipe, model, x = _setup()
+    right = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+    wrong = torch.optim.SGD(model.parameters(), lr=0.1)
+    _call(pipe, x)
+    before = _snapshot(pipe, model)
+    with pytest.raises(OptimizerError, match="torch.optim.SGD, stepped inside pipe.step"):
+        pipe.step(lambda: (right.step(), wrong.step()), is_async=False)
+    assert _unchanged(pipe, model, before)  # no half-applied step
+    pipe.close()
+
+
+@pytest.mark.parametrize("optim_dtype", [torch.float32, None])
+def test_an_optimizer_that_steps_nothing_is_refused(optim_dtype):
+    pipe, model, x = _setup(optim_dtype)
+    stray = torch.optim.AdamW(copy.deepcopy(model).parameters())  # no gradient ever
+    _call(pipe, x)
+    with pytest.raises(OptimizerError, match="none of them the pipe's and none with a "
+                                             "gradient, so its step changes nothing"):
+        pipe.step(lambda: stray.step())
+    pipe.close()
+
+
+def test_another_modules_optimizer_may_step_beside_the_pipes():
+    pipe, model, x = _setup()
+    other = nn.Linear(2, 2)
+    other(torch.ones(1, 2)).sum().backward()
+    opts = [torch.optim.SGD(other.parameters(), lr=0.1),
+            torch.optim.SGD(pipe.optim_parameters(), lr=0.1)]
+    _call(pipe, x)
+    before = other.weight.detach().clone()
+    pipe.step(lambda: [o.step() for o in opts], is_async=False)
+    assert not torch.equal(other.weight, before)
+    pipe.close()
+
+
+def test_a_wrong_optimizer_after_good_steps_fails_the_next_call():
+    pipe, model, x = _setup()
+    good = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+    _call(pipe, x)
+    pipe.step(lambda: (good.step(), good.zero_grad()))
+    _call(pipe, x)
+    wrong = torch.optim.SGD(model.parameters(), lr=0.1)
+    pipe.step(lambda: wrong.step())  # asynchronous, once a step has passed
+    with pytest.raises(OptimizerError, match="holds 8 of the model's own parameters"):
+        _call(pipe, x)
+    pipe.close()
+
+
+@settings(max_examples=4, deadline=None)
+@given(frozen=st.sets(st.integers(0, 3), max_size=2), is_async=st.booleans())
+def test_without_masters_the_models_parameters_are_the_optimized_ones(frozen, is_async):
+    """optim_dtype=None: model.parameters() is what the pipe optimizes (frozen ones
+    included, as torch skips them): the same update as over pipe.optim_parameters(), and
+    as eager's per-microbatch loop."""
+    results = []
+    for which in ("model", "pipe", "eager"):
+        pipe, model, x = _setup(None, torch.float64, frozen)
+        params = list(model.parameters()) if which != "pipe" else pipe.optim_parameters()
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        for _ in range(2):
+            if which == "eager":
+                for xb in x.chunk(2):
+                    model(xb).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                _call(pipe, x)
+                pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+        pipe.synchronize()
+        results.append([p.detach().clone() for p in model.parameters()])
+        pipe.close()
+    for a, b, c in zip(*results):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-10)
+
+
+def test_a_step_fn_waiting_inside_its_first_step_does_not_block_the_caller_forever():
+    """The first pipe.step waits for its optimizer's verdict, not for the whole step:
+    a step_fn that waits for the caller's next call after stepping still overlaps it."""
+    import threading
+    pipe, model, x = _setup()
+    opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+    resumed = threading.Event()
+    _call(pipe, x)
+
+    def step():
+        opt.step()
+        assert resumed.wait(30)
+        opt.zero_grad()
+
+    pipe.step(step)
+    resumed.set()  # reached only if pipe.step returned before the step ended
+    pipe.synchronize()
+    pipe.close()
