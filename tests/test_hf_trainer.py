@@ -476,6 +476,63 @@ def test_what_cannot_run_on_a_pipe_is_refused_at_construction(tmp_path):
                          pipe_options=dict(num_microbatches=2))
 
 
+def test_an_optimizer_given_to_a_trainer_with_masters_names_what_it_holds(tmp_path):
+    """With optim_dtype the pipe's optimizer must hold masters made with the pipe: one
+    made before (over model.parameters()) would step nothing; so would a scheduler on
+    another optimizer than the trainer's."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(roundpipe.OptimizerError) as error:
+        RoundPipeTrainer(model=model, args=_args(str(tmp_path)), train_dataset=_rows(),
+                         optimizers=(opt, None), pipe_options=PIPE)
+    message = str(error.value)
+    assert isinstance(error.value, TrainerArgumentError)
+    n = sum(1 for p in model.parameters())
+    for part in (f"torch.optim.AdamW holds {n} of the model's own parameters",
+                 "'model.embed_tokens.weight'", "optim_dtype=torch.float32",
+                 "pipe.optim_parameters()", "optimizer_cls_and_kwargs=(cls, kwargs)"):
+        assert part in message, (part, message)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    with pytest.raises(roundpipe.OptimizerError, match=r"optimizers=\(None, LambdaLR\): "
+                       "the scheduler is built on torch.optim.AdamW, not on the optimizer "
+                       "the trainer creates"):
+        RoundPipeTrainer(model=model, args=_args(str(tmp_path)), train_dataset=_rows(),
+                         optimizers=(None, sched), pipe_options=PIPE)
+    other = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(roundpipe.OptimizerError, match="the scheduler LambdaLR is built on "
+                       "torch.optim.AdamW, not on the given torch.optim.SGD"):
+        RoundPipeTrainer(model=model, args=_args(str(tmp_path)), train_dataset=_rows(),
+                         optimizers=(other, sched), pipe_options=dict(PIPE, optim_dtype=None))
+
+
+def test_without_masters_a_given_optimizer_and_scheduler_train_as_in_plain_trainer(tmp_path):
+    """optim_dtype=None: the model's parameters are what the pipe optimizes, so the
+    optimizer and scheduler a user gives train exactly as plain Trainer's (they were
+    refused before)."""
+    def optimizers(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+    args = dict(max_steps=3)
+    data = _rows(12)
+    model = _model()
+    plain = Trainer(model=model, args=_args(str(tmp_path / "plain"), **args),
+                    train_dataset=data, optimizers=optimizers(model))
+    plain.train()
+    model = _model()
+    piped = RoundPipeTrainer(model=model, args=_args(str(tmp_path / "pipe"), **args),
+                             train_dataset=data, optimizers=optimizers(model),
+                             pipe_options=dict(PIPE, optim_dtype=None))
+    piped.train()
+    for key in ("loss", "learning_rate"):
+        want, got = _logged(plain, key), _logged(piped, key)
+        assert len(got) == 3 and len(set(got)) == 3, (key, got)
+        assert max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, (key, got, want)
+    want = dict(plain.model.named_parameters())
+    for name, p in piped.model.named_parameters():
+        assert torch.allclose(p, want[name], rtol=0, atol=5e-3 * 1e-2), name
+
+
 def test_import_roundpipe_leaves_transformers_alone():
     code = ("import sys, roundpipe; assert 'transformers' not in sys.modules; "
             "assert 'trl' not in sys.modules")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import TrainerArgumentError, TrainerLossError
+from .errors import TrainerArgumentError, TrainerLossError, TrainerOptimizerError
 from .optimizer import PipeOptimizer
 from .trainer import PIPE_STATE_NAME, RoundPipeTrainer, RoundPipeTrainerMixin
 
@@ -49,4 +49,4 @@ def __getattr__(name: str) -> Any:
 
 # (RoundPipeSFTTrainer too, made on first access: TRL is imported only then.)
 __all__ = ["PIPE_STATE_NAME", "PipeOptimizer", "RoundPipeTrainer", "RoundPipeTrainerMixin",
-           "TrainerArgumentError", "TrainerLossError"]
+           "TrainerArgumentError", "TrainerLossError", "TrainerOptimizerError"]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from ..errors import ConfigError, RoundPipeError
+from ..errors import ConfigError, OptimizerError, RoundPipeError
 
 
 class TrainerArgumentError(ConfigError):
     """A Trainer argument asks for something roundpipe cannot do (it names them)."""
+
+
+class TrainerOptimizerError(TrainerArgumentError, OptimizerError):
+    """The optimizer (or scheduler) given to the Trainer could not train the pipe."""
 
 
 class TrainerLossError(RoundPipeError, RuntimeError):

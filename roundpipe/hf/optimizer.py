@@ -20,18 +20,21 @@ class PipeOptimizer(torch.optim.Optimizer):
 
     The scheduler changes this object's ``param_groups``, never ``inner``'s: a step reads
     the hyperparameters they held when it was enqueued, though the scheduler moves on
-    before an asynchronous step runs.
+    before an asynchronous step runs.  ``share_groups``: the groups are ``inner``'s own
+    (an optimizer given to the trainer, whose scheduler may be built on it; its steps
+    are synchronous).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, pipe: RoundPipe, *,
-                 max_grad_norm: float, is_async: bool) -> None:
+                 max_grad_norm: float, is_async: bool, share_groups: bool = False) -> None:
         # Not Optimizer.__init__: this object holds no state of its own.
         self.inner = inner
         self.pipe = pipe
         self.max_grad_norm = max_grad_norm
         self.is_async = is_async
         self.defaults = inner.defaults
-        self.param_groups = [dict(g) for g in inner.param_groups]
+        self.param_groups = (inner.param_groups if share_groups
+                             else [dict(g) for g in inner.param_groups])
         self.grad_norm: torch.Tensor | None = None  # of the last step, once it ran
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}

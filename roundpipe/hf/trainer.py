@@ -56,7 +56,9 @@ class RoundPipeTrainerMixin:
         refuse(unsupported(training_args if isinstance(
             training_args, transformers.TrainingArguments) else None,
             kwargs.get("model_init"), kwargs.get("optimizers"),
-            kwargs.get("optimizer_cls_and_kwargs"), run_config.num_microbatch), owner)
+            kwargs.get("optimizer_cls_and_kwargs"), run_config.num_microbatch,
+            kwargs.get("model", args[0] if args else None), pipe_kwargs.get("optim_dtype")),
+            owner)
         self._async_step = async_step
         super().__init__(*args, **kwargs)
         if getattr(self.args, "activation_checkpointing", False):
@@ -81,6 +83,10 @@ class RoundPipeTrainerMixin:
             # step() must not race it.
             log.info("roundpipe: optim_dtype=None (no masters): steps run synchronously")
             self._async_step = False
+        if self.optimizer is not None:  # given, over the model's parameters (no masters)
+            self.optimizer = PipeOptimizer(self.optimizer, self.pipe,
+                                           max_grad_norm=self.args.max_grad_norm,
+                                           is_async=self._async_step, share_groups=True)
 
     def _prepare_model_for_pipe(self) -> None:
         """Called once the trainer has set up ``self.model``, before the pipe wraps it."""
