@@ -143,9 +143,8 @@ def main() -> None:
         x, y = batch()
         loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
         pipe.step(lambda: (opt.step(), opt.zero_grad()))
-        # the loss is a sum over microbatches; report the mean
-        losses.append(loss.item() / pipe.model_run_config.resolve(len(pipe.devices))
-                      .num_microbatch)
+        # the loss is a sum over the call's microbatches; report their mean
+        losses.append(loss.item() / pipe.plan.num_microbatch)
         if step % 5 == 0 or step == args.steps:
             elapsed = time.perf_counter() - started
             bar.show(loss=f"{losses[-1]:.3f}", tok_s=f"{step * tokens / elapsed:,.0f}")

@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .backprop import GradRequest, attach_backward
+from .loss import mark_loss_fn_error, returned_loss
 from . import current
 from .compiler import Analysis, PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
@@ -533,13 +534,17 @@ class RoundPipe:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         run_config: RoundPipeRunConfig | None = None,
         return_outputs: bool = False,
+        reduction: str = "sum",
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Forward, loss and backward over all microbatches; gradients accumulate into the
         masters' ``.grad`` (``optim_parameters()``).
 
         ``loss_fn(output_mb, label_mb)`` runs on the device right after the last stage.
         Returns the sum of the microbatch losses on the CPU (and the merged outputs when
-        ``return_outputs``).
+        ``return_outputs``).  ``reduction="mean"``: each microbatch's loss is divided by
+        ``num_microbatch`` before its backward (the gradients of the mean, as gradient
+        accumulation takes them) and the mean is returned.  The backward has run when
+        this returns: the loss is a plain value, and ``loss.backward()`` says so.
 
         Data parallel: the inputs are this replica's shard; the returned loss is the one
         the committed (all-reduced) gradient belongs to, unless
@@ -547,18 +552,31 @@ class RoundPipe:
         """
         if loss_fn is None or not callable(loss_fn):
             raise ConfigError("forward_backward needs a callable loss_fn(output, label)")
+        if reduction not in ("sum", "mean"):
+            raise ConfigError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         current.called(self)
         user_loss_fn = loss_fn
+        divisor: list[int] = []  # num_microbatch, for reduction="mean"
 
         def loss_fn(output: Any, label: Any) -> torch.Tensor:  # runs on the devices' threads
             with current.running(self):
-                return user_loss_fn(output, label)
+                try:
+                    loss = user_loss_fn(output, label)
+                except Exception as e:  # the user's code, not a stage of the model
+                    if not isinstance(e, RoundPipeError):
+                        mark_loss_fn_error(e, label_given=label is not None)
+                    raise
+            if divisor and isinstance(loss, torch.Tensor):
+                loss = loss / divisor[0]
+            return loss
         if not isinstance(input_args, tuple):
             input_args = (input_args,)
         input_kwargs = dict(input_kwargs or {})
         with self._lock, self._diagnose_dtypes(input_args, input_kwargs), \
                 self._replica_call() as dp_call:
             cfg = self._config(run_config)
+            if reduction == "mean":
+                divisor.append(cfg.num_microbatch)
             self._optimizer.raise_if_failed()
             check_on_cpu(label, "label")
             entry, flat, mbs = self._prepare(input_args, input_kwargs, cfg)
@@ -582,6 +600,7 @@ class RoundPipe:
             self._finish(entry, result, hooks=hooks)
             if dp_call is not None:
                 self._sync_replica_buffers(entry)
+            loss = returned_loss(loss)
             if return_outputs:
                 return loss, self._merged(entry, result, mbs, cfg, plan)
             return loss

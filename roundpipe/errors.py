@@ -55,6 +55,11 @@ class LossError(RoundPipeError, ValueError):
     """``loss_fn`` returned something that is not a finite scalar tensor."""
 
 
+class BackwardAlreadyRunError(RoundPipeError, RuntimeError):
+    """``backward()`` was called on the loss ``forward_backward`` returned (whose backward
+    has run already)."""
+
+
 class StageError(RoundPipeError, RuntimeError):
     """An exception was raised while a stage ran on a device.
 
@@ -133,6 +138,7 @@ __all__ = [
     "PartitionError",
     "InputError",
     "LossError",
+    "BackwardAlreadyRunError",
     "StageError",
     "DoubleBackwardError",
     "StepError",

@@ -301,6 +301,12 @@ class StagePlan:
 
     ``str(plan)`` renders the table; ``plan.to_dict()`` is JSON-ready;
     ``plan.stage_code(i)`` shows the generated code of stage ``i``.
+
+    Fields a training loop may read: ``num_devices``; ``num_microbatch``, the
+    microbatches each call with this plan is split into (``pipe.plan`` is the latest
+    call's, per-call ``run_config`` included: divide ``forward_backward``'s summed loss
+    by it for the mean); ``memory_cap`` (bytes per device, None: unlimited);
+    ``est_step_time_s``, the estimated device time of one training step.
     """
 
     program: ModelProgram

@@ -505,6 +505,12 @@ class Executor:
             return e
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             return e
+        hint = getattr(e, "_roundpipe_in_loss_fn", None)  # the user's loss_fn raised (api.py)
+        if hint is not None:  # named as such, not as the stage it ran after
+            where = (f"in loss_fn(output, label) (microbatch {mb}, on {device.name}, after "
+                     f"stage {job.stage}, the model's last)")
+            return StageError(f"{where}: {type(e).__name__}: {e}{hint}", stage=job.stage,
+                              device=device.name, microbatch=mb)
         return StageError(f"{where} raised {type(e).__name__}: {e}", stage=job.stage,
                           device=device.name, microbatch=mb)
 
