@@ -177,6 +177,9 @@ def load_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
             directory = None  # no directory either: the file's error below
         if directory is not None:
             return checkpoint_sharded.load_sharded(directory, pipe, optimizer, scaler)
+        if not os.path.exists(path):
+            raise CheckpointError(f"no such file: {os.fspath(path)!r} (nor a sharded "
+                                  "checkpoint directory); check the path")
     try:
         state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - every unusable file gets the same clear error
@@ -187,14 +190,50 @@ def load_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise CheckpointError(f"{os.fspath(path)!r} is not a roundpipe checkpoint "
                               f"(expected format {_FORMAT!r})")
+    # Before any change, the model's tensors first: another model's checkpoint is named
+    # by its keys, not by the optimizer groups that differ with them.
+    check_model_state(state.get("model"), pipe, os.fspath(path))
     if optimizer is not None and state.get("optimizer") is not None:
-        _check_groups(state["optimizer"], optimizer, os.fspath(path))  # before any change
+        _check_groups(state["optimizer"], optimizer, os.fspath(path))
     pipe.load_state_dict(state["model"])
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
     return state.get("extra")
+
+
+def check_model_state(saved: Any, pipe: RoundPipe, path: str) -> None:
+    """Refuse a saved model state whose keys or shapes are not the pipe's model's,
+    naming them (``load_state_dict``'s checks, made before anything is loaded)."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path!r} holds no model state dict")
+    mine = pipe.model.state_dict()
+    missing = [k for k in mine if k not in saved]
+    unexpected = [k for k in saved if k not in mine]
+    shapes = [f"{k!r} saved {list(saved[k].shape)}, the model's {list(v.shape)}"
+              for k, v in mine.items() if k in saved and isinstance(v, torch.Tensor)
+              and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing keys: {len(missing)} of the model's tensors are not in it "
+                     f"({_few(missing)})")
+    if unexpected:
+        parts.append(f"unexpected keys: {len(unexpected)} of its tensors are not the "
+                     f"model's ({_few(unexpected)})")
+    if shapes:
+        parts.append(f"other shapes: {len(shapes)} ({'; '.join(shapes[:2])}"
+                     + ("; ..." if len(shapes) > 2 else "") + ")")
+    raise CheckpointError(
+        f"{path!r} holds another model's state than {type(pipe.model).__name__}'s: "
+        + "; ".join(parts) + ". Nothing was loaded: load it into the model it was saved "
+        "from")
+
+
+def _few(names: list[str], limit: int = 4) -> str:
+    return ", ".join(repr(n) for n in names[:limit]) + (", ..." if len(names) > limit else "")
 
 
 def _check_groups(saved: Any, optimizer: torch.optim.Optimizer, path: str) -> None:

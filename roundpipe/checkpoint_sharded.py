@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .checkpoint import CheckpointError, _alive, _fsync_directory, write_atomically
+from .checkpoint import (CheckpointError, _alive, _fsync_directory, check_model_state,
+                         write_atomically)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import RoundPipe
@@ -438,8 +439,9 @@ def load_sharded(path: str, pipe: RoundPipe, optimizer: torch.optim.Optimizer | 
     path = resolve(path)
     meta = read_meta(path)
     model = model_state(path, meta)
-    # Everything read and checked before anything changes: an optimizer with other groups
-    # is refused with the model's weights untouched.
+    # Everything read and checked before anything changes, the model's tensors first: an
+    # optimizer with other groups is refused with the model's weights untouched.
+    check_model_state(model, pipe, path)
     opt_state = (optimizer_state(path, meta, pipe, optimizer)
                  if optimizer is not None and meta.get("optimizer") is not None else None)
     pipe.load_state_dict(model)
