@@ -17,8 +17,6 @@ import os
 import sys
 from typing import Any, Sequence
 
-import torch
-
 
 class UsageError(Exception):
     """A mistake in the command line or what it names: printed as one line, exit 2."""
@@ -53,6 +51,8 @@ def _load_factory(spec: str) -> Any:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import torch  # here, not above: --help answers without it
+
     import roundpipe
 
     built = _load_factory(args.factory)()

@@ -160,3 +160,22 @@ def test_long_unit_names_fit_120_columns(tmp_path, capsys):
     data = json.loads(_plan_output(capsys, f"{path}:nested", "--devices", "4", "--json"))
     assert data["units"][0]["name"].startswith(
         "base_model.model.language_model_with_a_long_name.blocks")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["plan", "--help"], ["-h"], []])
+def test_help_answers_without_importing_torch(args):
+    """``python -m roundpipe --help`` (and ``plan --help``, or no command) prints its
+    usage without importing torch (seconds): -X importtime lists every module imported."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "roundpipe", *args],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=root)
+    assert "usage: python -m roundpipe" in proc.stdout + proc.stderr
+    assert proc.returncode == (0 if args else 2), proc.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "roundpipe" in imported and "argparse" in imported  # the list is read right
+    assert "torch" not in imported, [m for m in imported if m.startswith("torch")][:5]
