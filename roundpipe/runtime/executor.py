@@ -113,6 +113,10 @@ class RunStats:
     def bytes_downloaded(self) -> int:
         return sum(d.bytes_downloaded for d in self.devices)
 
+    def __str__(self) -> str:  # print(pipe.stats()): a table (the repr keeps every field)
+        from .stats_table import render
+        return render(self)
+
 
 class Stash(list):
     """What :meth:`Executor.forward` keeps for the backward: per microbatch, the values
