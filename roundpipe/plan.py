@@ -16,6 +16,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
@@ -373,16 +374,18 @@ class StagePlan:
     # --- rendering ---------------------------------------------------------------------
     def table_rows(self) -> list[list[Any]]:
         """One row per stage; unit names lose the prefix every unit shares
-        (``base_model.model.`` under PEFT) and long lists are cut, so the table fits 120
-        columns (``to_dict()`` keeps the full names)."""
+        (``base_model.model.`` under PEFT), and a stage whose list is too long for its
+        column names its units by their shortest distinct ends (``embed_tokens``,
+        ``layers.0-3``) before any is left out, so the table fits 120 columns
+        (``to_dict()`` keeps the full names)."""
         prefix = _common_prefix([u.name for u in self.units])
+        names = [u.name[len(prefix):] for u in self.units]
+        short = short_unit_names(names)
         return [
             [
                 s.index,
                 s.kind,
-                _fit(compact_unit_names([u.name[len(prefix):]
-                                         for u in self.units[s.units[0]:s.units[1]]]),
-                     _UNITS_WIDTH),
+                fit_unit_names(names[s.units[0]:s.units[1]], short, _UNITS_WIDTH),
                 f"{s.param_bytes / MiB:.2f}",
                 _fmt_time(s.est_time_s),
                 f"{s.act_in_bytes / MiB:.2f} / {s.act_out_bytes / MiB:.2f}",
@@ -452,7 +455,7 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
-_UNITS_WIDTH = 44  # the units column; the whole table then fits 120 columns
+_UNITS_WIDTH = 41  # the units column; the whole table then fits 120 columns (79 + 41)
 
 
 def _common_prefix(names: list[str]) -> str:
@@ -469,6 +472,43 @@ def _common_prefix(names: list[str]) -> str:
     if any(len(p) <= len(common) for p in parts):
         common = common[:min(len(p) for p in parts) - 1]
     return ".".join(common) + "." if common else ""
+
+
+def short_unit_names(names: list[str]) -> dict[str, str]:
+    """Each name by the shortest dotted end that tells it apart, not only a number:
+    ``model.embed_tokens -> embed_tokens``; a numbered unit by its list's shortest
+    distinct end (``model.layers.7 -> layers.7``, but ``encoder.block.0`` beside
+    ``decoder.block.0`` keeps ``encoder``)."""
+    def split(name: str) -> tuple[str, str | None]:  # (a list's path, index) or (name, None)
+        m = _INDEXED.match(name)
+        return (m.group(1)[:-1], m.group(2)) if m and m.group(1) else (name, None)
+
+    def ends(path: str) -> list[str]:
+        parts = path.split(".")
+        return [".".join(parts[-k:]) for k in range(1, len(parts) + 1)
+                if not all(p.isdigit() for p in parts[-k:])]
+
+    bases = {split(n)[0] for n in names}
+    counts = collections.Counter(e for b in bases for e in ends(b))
+    short = {}
+    for name in names:
+        base, index = split(name)
+        end = next((e for e in ends(base) if counts[e] == 1), base)
+        short[name] = end if index is None else f"{end}.{index}"
+    return short
+
+
+def fit_unit_names(names: list[str], short: dict[str, str], width: int) -> str:
+    """A stage's units in ``width`` characters: all full names; else single modules by
+    their short names (``embed_tokens``) beside whole layer ranges (``model.layers.0-3``);
+    else every name short; only then some left out."""
+    text = compact_unit_names(names)
+    if len(text) <= width:
+        return text
+    mixed = compact_unit_names([n if _INDEXED.match(n) else short.get(n, n) for n in names])
+    if len(mixed) <= width:
+        return mixed
+    return _fit(compact_unit_names([short.get(n, n) for n in names]), width)
 
 
 def _fit(text: str, width: int) -> str:

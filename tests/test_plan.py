@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 import torch.nn as nn
 
@@ -17,7 +18,7 @@ from roundpipe import RoundPipe
 from roundpipe.compiler import PlanOptions, analyze, compile_model, make_plan
 from roundpipe.errors import ConfigError, PartitionError
 from roundpipe.passes.cost import DeviceModel
-from roundpipe.plan import StagePlan, compact_unit_names
+from roundpipe.plan import StagePlan, compact_unit_names, fit_unit_names, short_unit_names
 
 CPU_MODEL = DeviceModel.for_device("cpu")
 ALL_MODELS = list(models.ALL) + ["const_net", "grouped_net"]
@@ -306,3 +307,72 @@ def test_plan_summary_gives_the_host_step_beside_the_device_time():
     fast = HostStepEstimate("AdamW", False, 10**9, 40, 20e9, 2.0, 3.0)
     assert slow.host_bound and "bottleneck" in str(slow)
     assert not fast.host_bound and "hidden" in str(fast)
+
+
+class _HFStyle(nn.Module):
+    """Unit names as Hugging Face's decoders have them (model.embed_tokens,
+    model.layers.N, model.norm, lm_head)."""
+
+    def __init__(self, layers: int = 8) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(16, 8)
+        self.model.rotary_emb = nn.Embedding(16, 8)
+        self.model.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+        self.model.norm = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 16)
+
+    def forward(self, ids):
+        h = self.model.embed_tokens(ids) + self.model.rotary_emb(ids)
+        for layer in self.model.layers:
+            h = h + torch.tanh(layer(h))
+        return self.lm_head(self.model.norm(h))
+
+
+def test_hugging_face_unit_names_stay_readable_in_the_table():
+    """A stage's units used to be cut mid-name ('model.embed_tokens, ... (1 more),
+    model.l...'); now single modules go by their short names before a layer range is
+    touched, and nothing is cut mid-name while whole items can be left out."""
+    torch.manual_seed(0)
+    pipe = roundpipe.compile(_HFStyle(), example_args=(torch.randint(0, 16, (6, 4)),),
+                             devices=["cpu"] * 2, num_stages=3)
+    rows = pipe.plan.table_rows()
+    first = rows[0][2]
+    assert first.startswith("embed_tokens, rotary_emb, ") and "layers.0-" in first, rows
+    assert all(len(r[2]) <= 41 for r in rows)
+    assert all(not r[2].endswith("...") for r in rows), rows
+    assert max(len(line) for line in str(pipe.plan).splitlines()) <= 120
+    pipe.close()
+
+
+@pytest.mark.parametrize("names, width, expected", [
+    (["model.embed_tokens", "model.rotary_emb"] + [f"model.layers.{i}" for i in range(4)],
+     44, "embed_tokens, rotary_emb, model.layers.0-3"),
+    (["model.embed_tokens", "model.rotary_emb"] + [f"model.layers.{i}" for i in range(4)],
+     36, "embed_tokens, rotary_emb, layers.0-3"),
+    (["encoder.block.4", "encoder.block.5", "encoder.final_layer_norm", "decoder.block.0"],
+     60, "encoder.block.4-5, encoder.final_layer_norm, decoder.block.0"),
+    (["encoder.block.4", "encoder.block.5", "encoder.final_layer_norm", "decoder.block.0"],
+     52, "encoder.block.4-5, final_layer_norm, decoder.block.0"),
+    ([f"x.{n}" for n in ("alpha", "beta", "gamma", "delta", "epsilon")], 28,
+     "alpha, ... (3 more), epsilon"),
+])
+def test_fit_unit_names(names, width, expected):
+    short = short_unit_names(names + ["decoder.final_layer_norm_2"])
+    got = fit_unit_names(names, short, width)
+    assert got == expected and len(got) <= width
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.sampled_from(["model", "encoder", "decoder", "layers", "h", "block",
+                                 "0", "1", "2", "norm", "embed"]),
+                min_size=1, max_size=4).map(".".join).filter(
+                    lambda n: not n.split(".")[-1].isdigit() or len(n.split(".")) > 1),
+       st.integers(12, 60))
+def test_short_unit_names_are_distinct_ends(name, width):
+    names = sorted({name, "model." + name, name + ".x", "lm_head"})
+    short = short_unit_names(names)
+    assert len(set(short.values())) == len(names)
+    for full, s in short.items():
+        assert full == s or full.endswith("." + s)
+        assert full == s or not all(p.isdigit() for p in s.split("."))
