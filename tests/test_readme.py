@@ -3,8 +3,12 @@ and its test command), and its main job exists; a block that drifts fails here o
 
 from __future__ import annotations
 
+import ast
+import builtins
 import os
 import re
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +25,7 @@ def test_the_quick_start_installs_torch_roundpipe_and_the_test_tools_then_runs()
     lines = _block()
     assert lines[0].startswith("pip install torch==")  # PyTorch first, pinned
     assert 'pip install -e ".[test]"' in lines  # pytest comes with the test extra
-    assert "python examples/train_gpt.py" in lines
+    assert any(line.startswith("python examples/train_gpt.py") for line in lines)
     assert os.path.isfile(os.path.join(ROOT, "examples", "train_gpt.py"))
     assert lines[-1] in ("python -m pytest", "python -m pytest -n 2")
 
@@ -34,3 +38,62 @@ def test_ci_runs_the_readme_block():
     for tool in ("pytest", "hypothesis", "tqdm", "numpy") + (
             ("pytest-xdist",) if " -n " in _block()[-1] else ()):
         assert f'"{tool}' in test, tool
+
+
+def _python_blocks() -> list[tuple[str, str]]:
+    """(the section's title, the block) for every python block of the README."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    blocks = []
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        title = section.splitlines()[0]
+        blocks += [(title, b) for b in re.findall(r"```python\n(.*?)```", section, re.S)]
+    return blocks
+
+
+# What the snippets may leave to the reader (their own model, data and loss).
+PLACEHOLDERS = {"model", "x", "y", "loss_fn", "opt", "ds", "collator", "path", "batch"}
+
+
+def _undefined(code: str) -> set[str]:
+    tree = ast.parse(code)
+    bound: set[str] = set()
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return used - bound - set(dir(builtins))
+
+
+def test_every_python_block_imports_what_it_uses():
+    """A snippet names its imports (torch, roundpipe, transformers' classes); what it
+    leaves to the reader is only their own model, data and loss."""
+    blocks = _python_blocks()
+    assert {title for title, _ in blocks} >= {"Use", "Hugging Face models",
+                                              '`torch.compile(backend="roundpipe")`'}
+    for title, code in blocks:
+        assert _undefined(code) <= PLACEHOLDERS, (title, _undefined(code) - PLACEHOLDERS)
+
+
+def test_the_use_block_runs_as_pasted_on_the_cpu(tmp_path):
+    code = next(code for title, code in _python_blocks() if title == "Use")
+    assert _undefined(code) == set()  # nothing left to the reader
+    env = {k: v for k, v in os.environ.items() if k != "ROUNDPIPE_DEVICES"}
+    env.update(PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=str(tmp_path), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fused" in proc.stdout  # the plan it prints
+
+
+def test_the_quick_start_prints_the_plan_on_the_readmes_device_count():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    line = next(line for line in _block() if line.startswith("python examples/train_gpt.py"))
+    devices = re.search(r"--devices (\d+)", line)
+    assert devices, line
+    table = re.search(r"over \d+ units on (\d+) device\(s\)", text)
+    assert table and table.group(1) == devices.group(1)
+    assert f"train_gpt.py --devices {devices.group(1)}" in text.split("```\nstage")[0][-200:]
