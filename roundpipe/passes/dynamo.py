@@ -570,4 +570,7 @@ def is_random(node: torch.fx.Node) -> bool:
     if node.target in _SDPA:
         p = _arg(node, 4, "dropout_p", 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
+    if node.target is F.multi_head_attention_forward:  # nn.MultiheadAttention(dropout=p)
+        p, training = _arg(node, 10, "dropout_p", 0.0), _arg(node, 13, "training", True)
+        return training is not False and not (isinstance(p, (int, float)) and p == 0)
     return node.target in _RANDOM_FUNCTIONS
