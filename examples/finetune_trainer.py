@@ -2,7 +2,7 @@
 
     python examples/finetune_trainer.py                 # a tiny random Llama, toy sums
     python examples/finetune_trainer.py --devices 3     # three virtual CPU devices
-    python examples/finetune_trainer.py --lora --exact  # adapters only, exact steps
+    python examples/finetune_trainer.py --lora --async-step  # adapters only, async steps
 
 The only change from a plain Trainer script is the class, ``RoundPipeTrainer``, and its
 ``pipe_options``: the model stays in host memory and every device is a stateless worker
@@ -56,8 +56,8 @@ def main() -> None:
                         help="microbatches per batch")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters only")
-    parser.add_argument("--exact", action="store_true",
-                        help="exact steps (default: asynchronous, one step stale)")
+    parser.add_argument("--async-step", action="store_true",
+                        help="asynchronous steps, one step stale (default: exact)")
     parser.add_argument("--save", default=None, help="directory to save the model to")
     parser.add_argument("--output-dir", default="trainer_output",
                         help="Trainer's output directory (checkpoints are off)")
@@ -81,12 +81,12 @@ def main() -> None:
         report_to=[], remove_unused_columns=False, seed=0)
     trainer = RoundPipeTrainer(
         model=model, args=training_args, train_dataset=train, eval_dataset=held_out,
-        data_collator=collate, async_step=not args.exact,
+        data_collator=collate, async_step=args.async_step,
         pipe_options=dict(devices=parse_devices(args.devices), optim_dtype=torch.float32,
                           num_microbatch=args.num_microbatch))
     pipe = trainer.pipe
     print(f"{type(model).__name__} on {', '.join(d.name for d in pipe.devices)}, "
-          f"{'exact' if args.exact else 'asynchronous'} steps")
+          f"{'asynchronous' if args.async_step else 'exact'} steps")
 
     started = time.perf_counter()
     result = trainer.train()

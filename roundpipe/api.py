@@ -878,14 +878,17 @@ class RoundPipe:
         return run_backward
 
     # --- optimizer -----------------------------------------------------------------------
-    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
+    def step(self, step_fn: Callable[[], Any], is_async: bool = False) -> None:
         """Run ``step_fn`` (e.g. ``lambda: (opt.step(), opt.zero_grad())``) on the CPU
         optimizer thread.
 
-        With ``is_async=True`` the next call overlaps it and uses the weights from before
-        this step (one step old), as in the seeds' reference system; with
-        ``is_async=False`` the weights are updated before ``step`` returns.  Without
-        ``optim_dtype`` (no separate masters) the next call waits for the step instead.
+        By default (``is_async=False``) the step is exact: the weights are updated before
+        ``step`` returns, so training equals eager PyTorch's.  With ``is_async=True`` the
+        next call overlaps the step and uses the weights from before it (one step old), as
+        in the seeds' reference system: faster where the host step is exposed, but each
+        gradient is taken at stale weights (``docs/guide.md`` gives the cost in
+        convergence).  Without ``optim_dtype`` (no separate masters) the next call waits
+        for the step either way.
         """
         def on_enqueue(version: int) -> None:
             for hook in self._step_hooks:

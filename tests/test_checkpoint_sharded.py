@@ -33,7 +33,7 @@ def _train(pipe, opt, scaler, steps):
         labels = torch.randint(0, 64, (4, 8), generator=g)
         pipe.forward_backward(input_args=(idx,), label=labels,
                               loss_fn=lambda o, y: scaler.scale(models.lm_loss(o, y)))
-        pipe.step(lambda: scaler.step(opt))  # asynchronous
+        pipe.step(lambda: scaler.step(opt), is_async=True)
 
 
 def _final(pipe, opt):

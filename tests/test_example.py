@@ -55,7 +55,7 @@ def test_finetune_trainer_example_runs_through_transformers_trainer(tmp_path):
         capture_output=True, text=True, timeout=240, cwd=ROOT, env=ENV)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
-    assert "LlamaForCausalLM on cpu:0, cpu:1, asynchronous steps" in out
+    assert "LlamaForCausalLM on cpu:0, cpu:1, exact steps" in out
     assert "fused" in out and "'loss':" in out  # the plan, and Trainer's log lines
     first, last = out.split("train loss: first log")[1].split(",")[0].split("->")
     assert float(first) > float(last.split()[-1]) > 0  # it learns

@@ -278,7 +278,7 @@ def test_exception_in_step_fn(is_async):
         raise _Boom("in step_fn")
 
     if is_async:
-        pipe.step(bad_step)
+        pipe.step(bad_step, is_async=True)
         with pytest.raises(StepError, match="step_fn raised _Boom"):
             pipe.synchronize()
     else:
@@ -363,7 +363,7 @@ def test_keyboard_interrupt_during_an_async_step():
         time.sleep(0.3)
         opt.zero_grad()
 
-    pipe.step(slow_step)
+    pipe.step(slow_step, is_async=True)
     timer = _interrupt_after(0.05)
     with pytest.raises(KeyboardInterrupt):
         pipe.synchronize()
@@ -438,7 +438,7 @@ _TRAIN = textwrap.dedent("""
             labels = torch.randint(0, 64, (4, 8), generator=g)
             pipe.forward_backward(input_args=(idx,), label=labels,
                                   loss_fn=lambda o, y: scaler.scale(models.lm_loss(o, y)))
-            pipe.step(lambda: scaler.step(opt))     # asynchronous
+            pipe.step(lambda: scaler.step(opt), is_async=True)
             if save_at is not None and step + 1 == save_at:
                 save_checkpoint(out, pipe, opt, scaler, extra={{"step": step + 1}})
                 return
@@ -531,7 +531,7 @@ def test_step_fn_may_call_the_pipe_without_deadlock(inside):
         calls[inside]()
         opt.zero_grad()
 
-    pipe.step(step)
+    pipe.step(step, is_async=True)
     pipe.synchronize()  # used to wait forever on its own future
     _works(pipe)
     pipe.close()
@@ -548,8 +548,8 @@ def test_a_failed_step_is_reported_even_when_another_was_queued_behind_it():
         time.sleep(0.1)
         raise _Boom("first step")
 
-    pipe.step(bad)
-    pipe.step(lambda: (opt.step(), opt.zero_grad()))
+    pipe.step(bad, is_async=True)
+    pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     with pytest.raises(StepError, match="first step"):
         pipe.synchronize()
     pipe.synchronize()  # the second step ran; nothing left to report
@@ -562,7 +562,7 @@ def test_interrupted_publish_does_not_hang_the_next_call():
     pipe = _pipe()
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
     _call(pipe)
-    pipe.step(lambda: (opt.step(), opt.zero_grad()))
+    pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     fences = pipe._state.fences
     record = fences.record
     fences.events = []

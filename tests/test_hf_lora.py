@@ -89,7 +89,7 @@ def test_config_and_save_pretrained_are_forwarded(tmp_path) -> None:
     inputs, labels = hf.batch("llama", batch_size=4)
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.5)
     pipe.forward_backward(input_kwargs={**inputs, "labels": labels}, loss_fn=hf.inner_loss)
-    pipe.step(lambda: (opt.step(), opt.zero_grad()))  # asynchronous: weights not yet written
+    pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)  # weights not yet written
     pipe.save_pretrained(tmp_path)
     masters = dict(pipe.optim_named_parameters())
     reloaded = hf.transformers.AutoModelForCausalLM.from_pretrained(tmp_path)

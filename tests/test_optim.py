@@ -439,7 +439,7 @@ def _slow_steps(landing_buffers, monkeypatch):
             pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
             landing.clear()
             landed.clear()
-            pipe.step(step)
+            pipe.step(step, is_async=True)
         pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
         pipe.synchronize()
         kept = [len(k) for k in pipe._landing.buffers.values()]
@@ -535,7 +535,7 @@ def test_checkpoint_with_staged_weights_resumes_bit_exact(tmp_path):
             idx = torch.randint(0, 64, (4, 8), generator=g)
             pipe.forward_backward(input_args=(idx,), label=idx,
                                   loss_fn=lambda o, y: models.lm_loss(o, y))
-            pipe.step(lambda: (opt.step(), opt.zero_grad()))
+            pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
             if save_at == step + 1:
                 save_checkpoint(tmp_path / "c.pt", pipe, opt, extra={"step": step + 1})
                 pipe.close()

@@ -175,7 +175,7 @@ def test_async_steps_follow_the_one_step_delayed_schedule(kind):
         opt_e.zero_grad()
         dirty = True
         lp = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
-        pipe.step(lambda: (opt_p.step(), opt_p.zero_grad()))
+        pipe.step(lambda: (opt_p.step(), opt_p.zero_grad()), is_async=True)
         assert lp.isfinite()
     pipe.synchronize()
     for a, b in zip(pipe.model.parameters(), masters.parameters()):
@@ -266,10 +266,10 @@ def test_uploads_never_read_weights_that_are_being_published():
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
     args = dict(input_args=(idx,), input_kwargs=kw, label=labels, loss_fn=models.lm_loss)
     pipe.forward_backward(**args)
-    pipe.step(lambda: (opt.step(), opt.zero_grad()))  # masters now newer than weights
+    pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)  # masters newer
     pipe.forward_backward(**args)
     events = _slow_publish(pipe, 0.01)
-    pipe.step(lambda: (opt.step(), opt.zero_grad()))  # publishes slowly, then steps
+    pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)  # publishes slowly
     version = pipe._state.fences.target
     pipe.forward_backward(**args)
     pipe.synchronize()

@@ -310,7 +310,7 @@ def test_grad_scaler_survives_a_step_that_was_refused():
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
         pipe.forward_backward(input_args=(x,), label=y,
                               loss_fn=lambda o, t: scaler.scale(F.mse_loss(o, t)))
-        pipe.step(lambda: scaler.step(opt))
+        pipe.step(lambda: scaler.step(opt), is_async=True)  # as _scaled_run(..., True)
     pipe.synchronize()
     for a, b in zip(pipe.model.parameters(), w0):
         assert torch.equal(a, b)

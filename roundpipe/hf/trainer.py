@@ -37,14 +37,15 @@ class RoundPipeTrainerMixin:
         pipe_options: :class:`~roundpipe.RoundPipe`'s arguments (``devices``,
             ``optim_dtype``, ...) and :class:`~roundpipe.RoundPipeRunConfig`'s fields
             (``num_microbatch``, ...).
-        async_step: ``True``: each step overlaps the next call, which uses the weights
-            from before the step (one step old); ``False``: exact steps.
+        async_step: ``False`` (the default): exact steps, the same losses as plain
+            ``Trainer``; ``True``: each step overlaps the next call, which uses the
+            weights from before the step (one step old).
     """
 
     pipe: RoundPipe
 
     def __init__(self, *args: Any, pipe_options: dict[str, Any] | None = None,
-                 async_step: bool = True, **kwargs: Any) -> None:
+                 async_step: bool = False, **kwargs: Any) -> None:
         if not isinstance(async_step, bool):
             raise ConfigError(f"async_step must be True or False, got {async_step!r}")
         pipe_kwargs, run_kwargs = split_pipe_options(dict(pipe_options or {}))
