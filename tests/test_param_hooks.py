@@ -282,12 +282,17 @@ PARAMS = ["emb.weight", "blocks.0.weight", "blocks.1.bias", "blocks.2.weight"]
 
 @pytest.fixture(scope="module")
 def shared_pipes():
+    previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     model, idx, y = make(4)
     pipes = {d: pipe_for(copy.deepcopy(model), d) for d in (1, 3)}
-    yield model, idx, y, pipes
-    for pipe in pipes.values():
-        pipe.close()
+    try:
+        yield model, idx, y, pipes
+    finally:
+        # the files that run after this one in the same process expect float32
+        torch.set_default_dtype(previous)
+        for pipe in pipes.values():
+            pipe.close()
 
 
 @settings(max_examples=6, deadline=None, derandomize=True,
