@@ -808,6 +808,8 @@ class RoundPipe:
                     "(RoundPipeRunConfig(num_microbatch=1), exact), or "
                     "forward_backward(), which is eager's per-microbatch loop by "
                     "definition")
+            if record and len(mbs) > 1:
+                _refuse_split_module_backward_hooks(self.model, len(mbs))
             if record and callable(cfg.merge_output):
                 raise ConfigError(
                     "a callable merge_output cannot be differentiated through; use a merge "
@@ -1226,6 +1228,23 @@ def _plan_key(plan: StagePlan, grain: str) -> tuple:
     shown = next((s.recompute for s in plan.stages if s.kind == "bwd"), grain)
     return plan.memory_cap, plan.num_microbatch, shown
 
+
+
+def _refuse_split_module_backward_hooks(model: torch.nn.Module, microbatches: int) -> None:
+    """``pipe(x)`` + ``backward()`` is one eager backward of the whole batch: a module
+    backward hook (its module kept opaque) would run once per microbatch instead, on that
+    microbatch's gradients."""
+    hooked = [name for name, m in model.named_modules()
+              if name and (m._backward_hooks or m._backward_pre_hooks)]
+    if hooked:
+        raise ModelError(
+            f"module '{hooked[0]}'" + (f" (and {len(hooked) - 1} more)" if len(hooked) > 1
+                                       else "")
+            + f" has a module backward hook; split into {microbatches} microbatches, it "
+            "would run once per microbatch on that microbatch's gradients, where eager "
+            "PyTorch runs it once on the whole batch's. Ways out: num_microbatch=1 for "
+            "this call (RoundPipeRunConfig(num_microbatch=1), exact), or "
+            "forward_backward(), which is eager's per-microbatch loop by definition")
 
 def _tail_values(plan: OutputMergePlan | None) -> frozenset[str]:
     """The values an output tail reads, kept per microbatch by the executor."""

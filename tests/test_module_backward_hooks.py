@@ -67,3 +67,40 @@ def test_a_submodule_backward_hook_runs_as_often_as_in_eager(pre: bool, grain: s
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     for name, p in eager.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+@pytest.mark.parametrize("pre", [False, True], ids=["full_backward", "backward_pre"])
+def test_pipe_call_with_a_module_backward_hook_is_refused_when_split(pre: bool) -> None:
+    """pipe(x).backward() is eager's backward of the whole batch: a module backward hook
+    would run once per microbatch instead. Refused before anything runs; one microbatch is
+    exact."""
+    from roundpipe import ModelError
+
+    torch.manual_seed(0)
+    model = Net().double()
+    x = torch.randn(4, 4, dtype=torch.double)
+
+    def install(m: nn.Module, seen: list) -> None:
+        def hook(mod, *grads):
+            seen.append(grads[-1][0].shape)
+        if pre:
+            m.blocks[2].register_full_backward_pre_hook(hook)
+        else:
+            m.blocks[2].register_full_backward_hook(hook)
+
+    eager, eager_seen = copy.deepcopy(model), []
+    install(eager, eager_seen)
+    eager(x).pow(2).sum().backward()
+
+    piped, seen = copy.deepcopy(model), []
+    install(piped, seen)
+    with RoundPipe(piped, devices=["cpu"] * 2, optim_dtype=None,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        with pytest.raises(ModelError, match="module 'blocks.2' has a module backward hook"):
+            pipe(x)
+        assert seen == [] and all(p.grad is None for p in pipe.optim_parameters())
+        pipe(x, run_config=RoundPipeRunConfig(num_microbatch=1)).pow(2).sum().backward()
+        grads = {n: p.grad for n, p in pipe.optim_named_parameters()}
+    assert seen == eager_seen == [torch.Size([4, 4])]
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-14, msg=name)
