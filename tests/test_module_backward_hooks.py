@@ -104,3 +104,32 @@ def test_pipe_call_with_a_module_backward_hook_is_refused_when_split(pre: bool) 
     assert seen == eager_seen == [torch.Size([4, 4])]
     for name, p in eager.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_the_backend_runs_a_submodule_backward_hook_as_eager() -> None:
+    torch.manual_seed(0)
+    model = Net().double()
+    x = torch.randn(6, 4, dtype=torch.double)
+
+    def install(m: nn.Module, seen: list) -> None:
+        def hook(mod, grad_in, grad_out):
+            seen.append(grad_out[0].detach().clone())
+            return (grad_in[0] / grad_in[0].norm(),)  # mixes samples: per microbatch differs
+        m.blocks[1].register_full_backward_hook(hook)
+
+    eager, eager_seen = copy.deepcopy(model), []
+    install(eager, eager_seen)
+    eager(x).pow(2).sum().backward()
+    compiled, seen = copy.deepcopy(model), []
+    install(compiled, seen)
+    torch._dynamo.reset()
+    try:
+        run = torch.compile(compiled, backend="roundpipe",
+                            options={"num_microbatch": 2, "devices": ["cpu"] * 2})
+        run(x).pow(2).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert len(seen) == len(eager_seen) == 1
+    torch.testing.assert_close(seen[0], eager_seen[0], rtol=1e-12, atol=1e-14)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-14, msg=name)
