@@ -137,7 +137,7 @@ def test_a_wrong_optimizer_after_good_steps_fails_the_next_call():
     pipe.step(lambda: (good.step(), good.zero_grad()))
     _call(pipe, x)
     wrong = torch.optim.SGD(model.parameters(), lr=0.1)
-    pipe.step(lambda: wrong.step())  # asynchronous, once a step has passed
+    pipe.step(lambda: wrong.step(), is_async=True)  # asynchronous: a step has passed
     with pytest.raises(OptimizerError, match="holds 8 of the model's own parameters"):
         _call(pipe, x)
     pipe.close()
@@ -185,7 +185,7 @@ def test_a_step_fn_waiting_inside_its_first_step_does_not_block_the_caller_forev
         assert resumed.wait(30)
         opt.zero_grad()
 
-    pipe.step(step)
+    pipe.step(step, is_async=True)
     resumed.set()  # reached only if pipe.step returned before the step ended
     pipe.synchronize()
     pipe.close()
