@@ -117,6 +117,27 @@ def test_an_optimizer_that_steps_nothing_is_refused(optim_dtype):
     pipe.close()
 
 
+@pytest.mark.parametrize("order", ["pipe_first", "other_first"])
+@pytest.mark.parametrize("is_async", [True, False])
+def test_an_idle_second_optimizer_beside_the_pipes_steps_as_in_eager(order, is_async):
+    # A head outside the pipe that got no gradient this step: its optimizer's step is a
+    # no-op in eager PyTorch, and must not undo the pipe's step.
+    pipe, model, x = _setup()
+    head = nn.Linear(6, 1)
+    opts = [torch.optim.SGD(pipe.optim_parameters(), lr=0.1),
+            torch.optim.AdamW(head.parameters(), lr=0.1)]
+    if order == "other_first":
+        opts.reverse()
+    _call(pipe, x)
+    before = _snapshot(pipe, model)
+    head_before = head.weight.detach().clone()
+    pipe.step(lambda: [o.step() for o in opts], is_async=is_async)
+    pipe.synchronize()
+    assert not torch.equal(model[0].weight, before[0][0])
+    assert torch.equal(head.weight, head_before)
+    pipe.close()
+
+
 def test_another_modules_optimizer_may_step_beside_the_pipes():
     pipe, model, x = _setup()
     other = nn.Linear(2, 2)

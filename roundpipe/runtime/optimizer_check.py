@@ -41,6 +41,10 @@ class StepWatch:
         self.state = state
         self.on_pass = on_pass
         self.stepped_pipe = False  # an optimizer over the pipe's parameters stepped
+        # An optimizer that held nothing of the pipe and nothing with a gradient: refused
+        # at the step's end only if nothing stepped the pipe, since beside the pipe's own
+        # optimizer it is an ordinary no-op (a head not used this step), as in eager.
+        self.stray: MisbuiltOptimizerError | None = None
         self._ids: tuple[dict[int, str], dict[int, str]] | None = None
 
     def _names(self) -> tuple[dict[int, str], dict[int, str]]:
@@ -76,13 +80,18 @@ class StepWatch:
             self.stepped_pipe = True
             self.on_pass()
             return
-        if not with_grad:
-            raise MisbuiltOptimizerError(
+        if not with_grad and self.stray is None:
+            self.stray = MisbuiltOptimizerError(
                 f"{name}, stepped inside pipe.step, holds {n_params} tensor(s), none of "
                 f"them the pipe's and none with a gradient, so its step changes nothing. "
                 f"It should hold the pipe's {total} trainable tensor(s), "
                 f"pipe.optim_parameters(): build it as {name}(pipe.optim_parameters(), "
                 "...) (param groups by name: pipe.optim_named_parameters())")
+
+    def finish(self) -> None:
+        """At the step's end: refuse a step whose only optimizers stepped nothing."""
+        if self.stray is not None and not self.stepped_pipe:
+            raise self.stray
 
 
 def _optimizer_name(optimizer: Any) -> str:
@@ -146,5 +155,6 @@ def watching(state: ModelState, on_pass: Callable[[], None] = lambda: None
     _local.watch = watch
     try:
         yield watch
+        watch.finish()
     finally:
         _local.watch = previous
