@@ -33,6 +33,11 @@ class ForwardBackwardLoss(torch.Tensor):
     def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
         return repr(self.as_subclass(torch.Tensor))
 
+    def __format__(self, format_spec: str) -> str:
+        # Tensor.__format__ formats a 0-dim tensor as its float only when its type is
+        # exactly Tensor; f"{loss:.3f}" would otherwise be a TypeError.
+        return self.as_subclass(torch.Tensor).__format__(format_spec)
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 

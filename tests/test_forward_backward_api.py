@@ -90,6 +90,18 @@ def test_loss_backward_after_forward_backward_says_the_backward_ran():
         assert loss.item() == float(loss) and not loss.requires_grad
 
 
+@pytest.mark.parametrize("spec", ["", ".3f", ".4e", ">12.2f", "g"])
+def test_the_returned_loss_formats_as_a_plain_tensor(spec):
+    """f"{loss:.3f}", the usual way to log a loss, formats it as a plain 0-dim tensor
+    does (its float's format): a subclass fell to object.__format__ (TypeError)."""
+    model, x = _model(), torch.randn(6, 5, dtype=torch.float64)
+    with RoundPipe(model, devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        loss = pipe.forward_backward(input_args=(x,), label=x, loss_fn=_loss)
+        assert format(loss, spec) == format(loss.detach(), spec)
+        assert f"{loss:{spec}}" == format(loss.item(), spec) or spec == ""
+
+
 @pytest.mark.parametrize("label", [True, False])
 def test_an_error_inside_loss_fn_names_loss_fn_not_a_stage(label):
     model, x = _model(), torch.randn(6, 5, dtype=torch.float64)
