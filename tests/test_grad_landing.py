@@ -166,7 +166,7 @@ def test_conversions_wait_for_the_pending_step(monkeypatch):
         step_end.append(time.perf_counter())
 
     spy.first_ask.clear()
-    pipe.step(slow_step)
+    pipe.step(slow_step, is_async=True)  # the next call overlaps it
     spy.decided.clear()
     spy.asked.clear()
     pipe.forward_backward(**args)
