@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import roundpipe
-from roundpipe import InputError, RoundPipe, TraceError
+from roundpipe import InputError, RoundPipe, RoundPipeRunConfig, TraceError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -150,3 +150,48 @@ def test_torchs_fake_tensor_errors_go_to_roundpipes_debug_log():
     out = _run("compile", "debug")
     assert "DEBUG:roundpipe" in out and "failed while attempting to run meta" in out
     assert "ERROR:torch._subclasses.fake_tensor" not in out
+
+
+class Hooked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_the_example_run_does_not_count_as_tracing_for_hooks_that_keep_activations(
+        monkeypatch):
+    """The example's eager run (export failed) calls the user's forward hooks on real
+    tensors; one that keeps its activations (feats.append(out), fine on the fx fallback,
+    which runs it at each call) was refused as if tracing had handed it a fake tensor."""
+    from roundpipe.passes import trace as trace_pass
+
+    def export_fails(*args, **kwargs):
+        raise RuntimeError("export is not available in this test")
+
+    monkeypatch.setattr(trace_pass, "_trace_export_sharing", export_fails)
+    runs = []
+    for front in ("pipe", "eager"):
+        torch.manual_seed(0)
+        model = Hooked().double()
+        feats: list[torch.Tensor] = []
+        model.layers[1].register_forward_hook(lambda m, i, out: feats.append(out.detach()))
+        x = torch.randn(6, 4, dtype=torch.float64)
+        if front == "pipe":
+            with RoundPipe(model, devices=["cpu"] * 2,
+                           model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+                pipe.compile(x)
+                assert pipe.plan.program.trace_method == "fx"
+                feats.clear()
+                pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.sum())
+        else:
+            for xb in x.chunk(2):
+                model(xb).sum().backward()
+        runs.append(feats)
+    assert len(runs[0]) == len(runs[1]) == 2
+    for got, want in zip(*runs):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

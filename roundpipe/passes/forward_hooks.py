@@ -22,6 +22,7 @@ import contextlib
 import gc
 import os
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -74,8 +75,25 @@ def _name(fn: Any) -> str:
     return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
+_real_run = threading.local()
+
+
+@contextlib.contextmanager
+def hooks_unwatched() -> Iterator[None]:
+    """Inside, on this thread, watched hooks run as the user's own: a real eager run of
+    the model (not a trace) keeps what the user's hooks keep, as any eager call would."""
+    previous = getattr(_real_run, "active", False)
+    _real_run.active = True
+    try:
+        yield
+    finally:
+        _real_run.active = previous
+
+
 def _watched(fn: Callable, found: KeptActivation, suspects: list) -> Callable:
     def hook(*call: Any) -> Any:
+        if getattr(_real_run, "active", False):
+            return fn(*call)
         given = [t for t in pytree.tree_leaves(call[1:]) if isinstance(t, torch.Tensor)]
         if any(isinstance(x, torch.fx.Proxy) for x in pytree.tree_leaves(call[1:])):
             return fn(*call)  # the torch.fx fallback's symbolic run: nothing real to watch

@@ -49,7 +49,7 @@ from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
 from ..ops.hooks import mark_hooking
 from ..ops.modcall import call_module_functional, tensor_leaves
-from .forward_hooks import watch_forward_hooks
+from .forward_hooks import hooks_unwatched, watch_forward_hooks
 from .custom_backward import CustomBackwardFunction, refuse_custom_backward
 from .leaves import (WRITES, failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
@@ -276,7 +276,8 @@ def refuse_unrunnable_example(model: torch.nn.Module, args: tuple[Any, ...],
     kept = list(model.named_buffers()) + tensor_attributes(model)
     saved = {n: t.detach().clone() for n, t in kept}
     try:
-        with torch.random.fork_rng(devices=[]):
+        # (a real call: hooks that keep its activations are not tracing's concern)
+        with torch.random.fork_rng(devices=[]), hooks_unwatched():
             model(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure of the model's own code
         shapes = describe_tensors(args, kwargs)
