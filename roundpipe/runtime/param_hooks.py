@@ -58,6 +58,16 @@ def post_accumulate_hooks(t: torch.Tensor) -> tuple[Hook, ...]:
     return tuple(hooks.values()) if hooks else ()
 
 
+def _while_registered(param: torch.Tensor, key: int, hook: Hook) -> Hook:
+    """``hook`` (the tensor hook ``key`` of ``param``), skipped once its handle is removed:
+    eager reads a parameter's hooks at every backward, so a hook that removes itself
+    (or another) runs in no later microbatch."""
+    def run(grad: torch.Tensor) -> Any:
+        hooks = getattr(param, "_backward_hooks", None)
+        return hook(grad) if hooks is not None and key in hooks else None
+    return run
+
+
 @dataclass(frozen=True)
 class HookPlan:
     """Where one call runs the hooks of its parameters (keyed by state slot)."""
@@ -105,7 +115,8 @@ def plan_hooks(host: HostState, program: ModelProgram, *, per_microbatch: bool,
                 "(it runs once the call's gradients are summed), or use optim_dtype=None "
                 "(the parameters are then the masters and their hooks run as in eager)")
         if per_microbatch and hooks and readers[slot] == 1:
-            on_device[slot] = hooks
+            on_device[slot] = tuple(_while_registered(param, key, hook)
+                                    for key, hook in param._backward_hooks.items())
         if per_microbatch and (post or (hooks and readers[slot] > 1)):
             per_mb.add(slot)
             at_commit.add(slot)
@@ -141,7 +152,6 @@ class _Hooked:
     name: str                    # the parameter's name (the masters' key)
     param: torch.Tensor          # the model's parameter, which holds the hooks
     totals: list[tuple[int, torch.Tensor]]  # (backward, gradient after its tensor hooks)
-    post: tuple[Hook, ...]
 
 
 def run_tensor_hooks(host: HostState, plan: HookPlan,
@@ -169,22 +179,21 @@ def run_tensor_hooks(host: HostState, plan: HookPlan,
         if not groups:
             continue
         param = host.tensors[slot]
-        hooks = () if slot in plan.on_device else tensor_hooks(param)
         dtype = host.grad_dtype(slot)
         totals = []
         with torch.no_grad():
             for backward, group in groups:
                 # summed in the parameter's dtype, as autograd sums its uses
                 grad = folded = fold_unit_grads(group, fresh=True)
-                for hook in hooks:
+                # read at each backward, as eager does (a hook may remove itself)
+                for hook in () if slot in plan.on_device else tensor_hooks(param):
                     out = hook(grad)
                     if out is not None:
                         _check_hook_result(host.specs[slot].fqn, grad, out)
                         grad = out
                 # .grad never aliases a tensor a hook returned and may still hold
                 totals.append((backward, grad.to(dtype, copy=grad is not folded)))
-        hooked.append(_Hooked(host.specs[slot].fqn, param, totals,
-                              post_accumulate_hooks(param)))
+        hooked.append(_Hooked(host.specs[slot].fqn, param, totals))
     return rest, hooked
 
 
@@ -217,7 +226,8 @@ def accumulate(host: HostState, hooked: list[_Hooked], num_backwards: int) -> No
                     continue
                 master = state.master(h.name)
                 _add(master, grad)
-                for hook in h.post:
+                # read after each addition, as eager does (a hook may remove itself)
+                for hook in post_accumulate_hooks(h.param):
                     version = h.param._version
                     hook(h.param)
                     if h.param._version != version and backward < num_backwards - 1:

@@ -1,0 +1,89 @@
+"""Review of issue 30's hooks (float64, virtual CPU devices, against eager): a hook that
+removes itself while it runs, and a hook registered between ``pipe(x)`` and
+``backward()``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from roundpipe import ParameterHookError, RoundPipe, RoundPipeRunConfig
+
+MB = 3
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.out = nn.Linear(6, 6)
+        self.out.weight = self.inp.weight  # read by the first and the last unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return self.out(h)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).sum()
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(6, 6, generator=g), torch.randn(6, 6, generator=g)
+
+
+def _self_removing(model: nn.Module, where: str, kind: str, calls: list[int]):
+    param = {"one unit": model.blocks[1].weight, "tied": model.inp.weight}[where]
+    handle = []
+
+    if kind == "tensor":
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            handle[0].remove()
+            return g.clamp(-0.05, 0.05)
+        handle.append(param.register_hook(hook))
+    else:
+        def post(p: torch.Tensor) -> None:
+            calls.append(1)
+            handle[0].remove()
+            p.grad.mul_(0.5)
+        handle.append(param.register_post_accumulate_grad_hook(post))
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("where", ["one unit", "tied"])
+@pytest.mark.parametrize("kind", ["tensor", "post"])
+def test_hook_that_removes_itself_runs_once_under_forward_backward(devices, where, kind):
+    """Eager's per-microbatch loop runs a hook that removes itself once (the first
+    microbatch); roundpipe ran it for every microbatch (read once per call)."""
+    torch.manual_seed(0)
+    model = Tied()
+    eager = copy.deepcopy(model)
+    x, y = data()
+    want: list[int] = []
+    _self_removing(eager, where, kind, want)
+    for xi, yi in zip(x.chunk(MB), y.chunk(MB)):
+        loss_fn(eager(xi), yi).backward()
+    got: list[int] = []
+    _self_removing(model, where, kind, got)
+    pipe = RoundPipe(model, devices=["cpu"] * devices,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    pipe.forward_backward(x, label=y, loss_fn=loss_fn)
+    assert len(got) == len(want) == 1
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
