@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from .errors import ParameterHookError
 from .runtime.call import GradTarget, PipelinedCall, pipelined
 from .runtime.host_state import fold_unit_grads
 from .runtime.microbatch import MergeColumn, join_input_grad
@@ -56,8 +57,9 @@ class _ForwardCall(PipelinedCall):
                                               RunResult],
                  columns: list[MergeColumn], out_tensors: list[torch.Tensor],
                  grad_inputs: list[tuple[str, list[Any] | None]],
-                 params: list[tuple[str, torch.Tensor]]) -> None:
+                 params: list[tuple[str, torch.Tensor]], fqns: dict[str, str]) -> None:
         self._run_backward = run_backward
+        self.fqns = fqns  # slot -> parameter name, for messages
         self.columns = columns  # the merged values connected to the backward
         self.out_tensors = out_tensors
         # (value name, its microbatch pieces or None if replicated) per input needing grad
@@ -74,6 +76,18 @@ class _ForwardCall(PipelinedCall):
                      targets: Sequence[GradTarget], *, plain: bool) -> RunResult:
         n = len(self.grad_inputs)
         inputs, params = targets[:n], targets[n:]
+        for (slot, param), t in zip(self.params, params):
+            # Connected because it had no hooks at the call: the engine runs the hooks
+            # registered since itself, once roundpipe has committed everything (a tensor
+            # hook with None, as this Function hands it None; a post-accumulate-grad
+            # hook a second time, after roundpipe's commit ran it).
+            if t is GradTarget.FLOWS and _has_hooks(param):
+                raise ParameterHookError(
+                    f"parameter {self.fqns.get(slot, slot)!r} got a hook after the "
+                    "pipelined call whose backward is running; roundpipe reads a "
+                    "parameter's hooks when the call runs, and autograd would call this "
+                    "one with None or twice. Nothing was computed or committed. Register "
+                    "the hook before calling the pipe")
         asked = {slot: t for (slot, _), t in zip(self.params, params)
                  if t is not GradTarget.NONE}
         if plain:
@@ -142,7 +156,8 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]], GradR
 
     values = [j for j, v in enumerate(merged) if isinstance(v, torch.Tensor)]
     call = _ForwardCall(run_backward, [columns[j] for j in values],
-                        [merged[j] for j in values], grad_inputs, connected)
+                        [merged[j] for j in values], grad_inputs, connected,
+                        {spec.name: spec.fqn for spec in program.state})
     outs = pipelined(call, grad_tensors + [p for _, p in connected])
     result = list(merged)
     for j, out in zip(values, outs):

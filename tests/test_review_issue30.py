@@ -87,3 +87,30 @@ def test_hook_that_removes_itself_runs_once_under_forward_backward(devices, wher
     assert len(got) == len(want) == 1
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("optim_dtype", [None, torch.float64])
+@pytest.mark.parametrize("kind", ["tensor", "post"])
+def test_hook_registered_between_call_and_backward_is_refused(optim_dtype, kind):
+    """A parameter without hooks at pipe(x) is connected to the pipelined call, whose
+    backward hands autograd None for it (roundpipe commits it): a tensor hook
+    registered after the call was called by autograd with None, after roundpipe had
+    committed every gradient (a TypeError from the user's hook, state half-written); a
+    post-accumulate-grad hook ran twice (roundpipe's commit, then autograd). Now refused
+    before the backward runs anything."""
+    torch.manual_seed(0)
+    model = Tied()
+    x, y = data()
+    pipe = RoundPipe(model, devices=["cpu"] * 3, optim_dtype=optim_dtype,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    out = pipe(x)
+    calls: list[int] = []
+    if kind == "tensor":
+        model.blocks[1].weight.register_hook(lambda g: g * 3)
+    else:
+        model.blocks[1].weight.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    with pytest.raises(ParameterHookError, match="blocks.1.weight"):
+        loss_fn(out, y).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in pipe.optim_parameters())
+    assert calls == []
