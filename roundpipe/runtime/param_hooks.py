@@ -95,17 +95,23 @@ def plan_hooks(host: HostState, program: ModelProgram, *, per_microbatch: bool,
     the whole call is.  Raises :class:`ParameterHookError` for what cannot be exact."""
     state = host.shared
     _refuse_master_hooks(state)
+    # Every call reads this: what a call without hooks pays is one look per parameter.
+    tensors = host.tensors
+    hooked = [slot for slot in host.specs
+              if getattr(tensors[slot], "_backward_hooks", None)
+              or getattr(tensors[slot], "_post_accumulate_grad_hooks", None)]
+    if not hooked:
+        return NO_HOOKS
     readers = collections.Counter(s for u in program.units for s in u.state)
     on_device: dict[str, tuple[Hook, ...]] = {}
     per_mb: set[str] = set()
     at_commit: set[str] = set()
-    for slot, spec in host.specs.items():
+    for slot in hooked:
+        spec = host.specs[slot]
         if not host.trainable(slot):
             continue
-        param = host.tensors[slot]
+        param = tensors[slot]
         hooks, post = tensor_hooks(param), post_accumulate_hooks(param)
-        if not (hooks or post):
-            continue
         if post and state.has_masters:
             raise ParameterHookError(
                 f"parameter {spec.fqn!r} has a post-accumulate-grad hook, but with "
