@@ -833,7 +833,8 @@ class RoundPipe:
             with torch.enable_grad():
                 return attach_backward(
                     self._backward_runner(entry, result, cfg, keys), program, params,
-                    (tuple(args), dict(kwargs)), mbs, columns, merged, build)
+                    (tuple(args), dict(kwargs)), mbs, columns, merged, build,
+                    masters=self._state.has_masters)
 
     __call__ = forward
 

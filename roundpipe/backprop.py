@@ -57,9 +57,14 @@ class _ForwardCall(PipelinedCall):
                                               RunResult],
                  columns: list[MergeColumn], out_tensors: list[torch.Tensor],
                  grad_inputs: list[tuple[str, list[Any] | None]],
-                 params: list[tuple[str, torch.Tensor]], fqns: dict[str, str]) -> None:
+                 params: list[tuple[str, torch.Tensor]], fqns: dict[str, str],
+                 hooked_to_autograd: bool) -> None:
         self._run_backward = run_backward
         self.fqns = fqns  # slot -> parameter name, for messages
+        # No masters: a hooked parameter's gradient goes to autograd, which sums its uses,
+        # runs its hooks once and accumulates it in .grad (the master's), as eager does.
+        self.hooked_to_autograd = hooked_to_autograd
+        self.handed: frozenset[str] = frozenset()  # this backward's such parameters
         self.columns = columns  # the merged values connected to the backward
         self.out_tensors = out_tensors
         # (value name, its microbatch pieces or None if replicated) per input needing grad
@@ -76,30 +81,40 @@ class _ForwardCall(PipelinedCall):
                      targets: Sequence[GradTarget], *, plain: bool) -> RunResult:
         n = len(self.grad_inputs)
         inputs, params = targets[:n], targets[n:]
+        handed = set()
         for (slot, param), t in zip(self.params, params):
-            # Connected because it had no hooks at the call: the engine runs the hooks
-            # registered since itself, once roundpipe has committed everything (a tensor
-            # hook with None, as this Function hands it None; a post-accumulate-grad
-            # hook a second time, after roundpipe's commit ran it).
-            if t is GradTarget.FLOWS and _has_hooks(param):
-                raise ParameterHookError(
-                    f"parameter {self.fqns.get(slot, slot)!r} got a hook after the "
-                    "pipelined call whose backward is running; roundpipe reads a "
-                    "parameter's hooks when the call runs, and autograd would call this "
-                    "one with None or twice. Nothing was computed or committed. Register "
-                    "the hook before calling the pipe")
+            if not (t is GradTarget.FLOWS and _has_hooks(param)):
+                continue
+            if self.hooked_to_autograd:
+                handed.add(slot)
+                continue
+            # With masters, connected because it had no hooks at the call: the engine
+            # runs the hooks registered since itself, once roundpipe has committed
+            # everything (a tensor hook with None, as this Function hands it None; a
+            # post-accumulate-grad hook a second time, after roundpipe's commit ran it).
+            raise ParameterHookError(
+                f"parameter {self.fqns.get(slot, slot)!r} got a hook after the pipelined "
+                "call whose backward is running; with optim_dtype masters roundpipe reads "
+                "a parameter's hooks when the call runs, and autograd would call this one "
+                "with None or twice. Nothing was computed or committed. Register the hook "
+                "before calling the pipe")
+        self.handed = frozenset(handed)
         asked = {slot: t for (slot, _), t in zip(self.params, params)
                  if t is not GradTarget.NONE}
-        if plain:
+        if plain and not handed:
             request = GradRequest(None, None)  # every gradient, committed, as always
+        elif plain:  # every parameter is connected (no masters)
+            request = GradRequest(None, frozenset(s for s, _ in self.params
+                                                  if s not in handed))
         else:
-            # A parameter left unconnected (it has hooks of its own) is committed by a
-            # plain backward() only: the engine cannot say whether one that names its
-            # inputs names it.
+            # With masters, a parameter left unconnected (it has hooks of its own) is
+            # committed by a plain backward() only: the engine cannot say whether one
+            # that names its inputs names it.
             request = GradRequest(
                 only=frozenset([name for (name, _), t in zip(self.grad_inputs, inputs)
                                 if t is not GradTarget.NONE] + list(asked)),
-                commit=frozenset(s for s, t in asked.items() if t is GradTarget.FLOWS))
+                commit=frozenset(s for s, t in asked.items()
+                                 if t is GradTarget.FLOWS and s not in handed))
         return self._run_backward(output_grads, request)
 
     def input_grads(self, result: RunResult, targets: Sequence[GradTarget]
@@ -111,10 +126,12 @@ class _ForwardCall(PipelinedCall):
             if t is not GradTarget.NONE else None
             for (name, split), t in zip(self.grad_inputs, targets[:n])]
         for (slot, param), t in zip(self.params, targets[n:]):
-            # Returned to autograd.grad only (what flows was committed, not returned).
+            # Returned to autograd.grad, or to autograd's accumulation of a hooked
+            # parameter (what else flows was committed, not returned).
             contributions = result.param_grads.get(slot)
             grads.append(fold_unit_grads(contributions, param.dtype)
-                         if t is GradTarget.RETURNED and contributions else None)
+                         if (t is GradTarget.RETURNED or slot in self.handed)
+                         and contributions else None)
         return grads
 
 
@@ -128,7 +145,7 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]], GradR
                     program: ModelProgram, params: Sequence[tuple[str, torch.Tensor]],
                     full_inputs: tuple[tuple[Any, ...], dict[str, Any]], mbs: list,
                     columns: list[MergeColumn], merged: list[Any],
-                    build: Callable[[list[Any]], Any]) -> Any:
+                    build: Callable[[list[Any]], Any], *, masters: bool = True) -> Any:
     """The call's outputs, ``build(merged)``, with the merged floating tensors (one per
     ``columns`` entry) connected to a pipelined backward first.
 
@@ -136,7 +153,8 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]], GradR
     output gradients, commits the parameter gradients the :class:`GradRequest` commits
     and returns the executor's result, its ``param_grads`` those not committed (whose
     input gradients flow back to the inputs that require them).  ``params``: (slot,
-    tensor) of the program's parameters.
+    tensor) of the program's parameters.  ``masters``: the pipe has ``optim_dtype``
+    masters (without, a hooked parameter's gradient is handed to autograd).
     """
     full_leaves = flat_leaves(program.inputs, *full_inputs) or []
     grad_inputs: list[tuple[str, list[Any] | None]] = []
@@ -149,15 +167,18 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]], GradR
             # split: each microbatch read its own rows; else each read the whole input
             grad_inputs.append((name, pieces if pieces[0] is not leaf else None))
             grad_tensors.append(leaf)
-    # A parameter with hooks of its own stays unconnected: the engine would call them
-    # with None (roundpipe runs them where the gradients land).
+    # Without masters (the parameters hold the gradients) a hooked parameter's gradient
+    # is handed to autograd, which runs its hooks. With masters a parameter with hooks
+    # of its own stays unconnected: the engine would call them with None (roundpipe
+    # runs them where the gradients land).
     trainable = [(slot, p) for slot, p in params if p.requires_grad]
-    connected = [(slot, p) for slot, p in trainable if not _has_hooks(p)]
+    connected = trainable if not masters else \
+        [(slot, p) for slot, p in trainable if not _has_hooks(p)]
 
     values = [j for j, v in enumerate(merged) if isinstance(v, torch.Tensor)]
     call = _ForwardCall(run_backward, [columns[j] for j in values],
                         [merged[j] for j in values], grad_inputs, connected,
-                        {spec.name: spec.fqn for spec in program.state})
+                        {spec.name: spec.fqn for spec in program.state}, not masters)
     outs = pipelined(call, grad_tensors + [p for _, p in connected])
     result = list(merged)
     for j, out in zip(values, outs):

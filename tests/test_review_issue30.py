@@ -89,15 +89,16 @@ def test_hook_that_removes_itself_runs_once_under_forward_backward(devices, wher
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("optim_dtype", [None, torch.float64])
+@pytest.mark.parametrize("optim_dtype", [torch.float64])
 @pytest.mark.parametrize("kind", ["tensor", "post"])
 def test_hook_registered_between_call_and_backward_is_refused(optim_dtype, kind):
     """A parameter without hooks at pipe(x) is connected to the pipelined call, whose
     backward hands autograd None for it (roundpipe commits it): a tensor hook
     registered after the call was called by autograd with None, after roundpipe had
     committed every gradient (a TypeError from the user's hook, state half-written); a
-    post-accumulate-grad hook ran twice (roundpipe's commit, then autograd). Now refused
-    before the backward runs anything."""
+    post-accumulate-grad hook ran twice (roundpipe's commit, then autograd). With masters
+    it is now refused before the backward runs anything (without, autograd gets the
+    gradient: test_hooked_parameter_gets_one_backward_through_pipe_calls)."""
     torch.manual_seed(0)
     model = Tied()
     x, y = data()
@@ -114,3 +115,62 @@ def test_hook_registered_between_call_and_backward_is_refused(optim_dtype, kind)
     assert all(p.grad is None for p in model.parameters())
     assert all(p.grad is None for p in pipe.optim_parameters())
     assert calls == []
+
+
+def _clamp_counting(calls: list[int]):
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return g.clamp(-0.05, 0.05)
+    return hook
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("case", ["two calls", "inputs=", "used outside", "hook after call"])
+def test_hooked_parameter_gets_one_backward_through_pipe_calls(devices, case):
+    """Without masters, pipe(x) hands a hooked parameter's gradient to autograd, which
+    sums every use, runs the hooks once and accumulates, as eager does. Before, the
+    commit of each pipelined call ran the hooks on its own part: two pipe(x) calls in one
+    loss clamped each call's gradient apart and ran the hook twice, a use of the
+    parameter outside the pipe (a regularizer) ran it once more, backward(inputs=[p])
+    left the hooked p without its gradient (silently), and a hook registered after the
+    call was called with None."""
+    torch.manual_seed(0)
+    model = Tied()
+    eager = copy.deepcopy(model)
+    x, y = data()
+    pipe = RoundPipe(model, devices=["cpu"] * devices,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    got: list[int] = []
+    want: list[int] = []
+    post_got: list[torch.Tensor] = []
+    post_want: list[torch.Tensor] = []
+
+    def run(f, m, calls, seen):
+        hooked = m.blocks[1].weight
+        if case != "hook after call":
+            hooked.register_hook(_clamp_counting(calls))
+            hooked.register_post_accumulate_grad_hook(
+                lambda p: seen.append(p.grad.detach().clone()))
+        out = f(x)
+        if case == "hook after call":
+            hooked.register_hook(_clamp_counting(calls))
+        loss = loss_fn(out, y)
+        if case == "two calls":
+            loss = loss + loss_fn(f(2 * x), y)
+        if case == "used outside":
+            loss = loss + 10 * (hooked ** 2).sum()
+        if case == "inputs=":
+            loss.backward(inputs=[hooked, m.blocks[2].weight])
+        else:
+            loss.backward()
+
+    run(eager, eager, want, post_want)
+    run(pipe, model, got, post_got)
+    assert len(got) == len(want) >= 1
+    assert len(post_got) == len(post_want)
+    for a, b in zip(post_got, post_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
