@@ -715,19 +715,34 @@ class RoundPipe:
         if plan.tail is not None:
             plan = _tail_within_guards(plan, program.inputs, (args, kwargs), split)
         refused = [(j, r) for j, r in enumerate(plan.rules) if r.kind == "none"]
-        if refused and strict:
-            names = output_names(program.out_spec, len(program.outputs))
-            j, rule = refused[0]
+        if (refused or plan.state_refusal) and strict:
+            n = len(mbs)
+            facts = []
+            if refused:
+                names = output_names(program.out_spec, len(program.outputs))
+                j, rule = refused[0]
+                facts.append(
+                    f"{names[j]} cannot be put back together from {n} microbatches exactly: "
+                    f"{rule.reason}. Eager PyTorch computes it on the whole batch; merging "
+                    "microbatch results would give another number")
+            if plan.state_refusal:
+                # A buffer write: eager makes it once per call (refused before anything runs).
+                facts.append(
+                    ("Also, " if refused else f"this call cannot run as {n} microbatches "
+                     "exactly: ") + f"{plan.state_refusal}. Eager PyTorch writes it once per "
+                    f"call, on the whole batch; each of the {n} microbatches would write it "
+                    "again. Nothing was run or written")
             raise MergeError(
-                f"{names[j]} cannot be put back together from {len(mbs)} microbatches "
-                f"exactly: {rule.reason}. Eager PyTorch computes it on the whole batch; "
-                "merging microbatch results would give another number. Ways out: "
-                "num_microbatch=1 for this call (exact); forward_backward(), whose loss is "
-                "the sum of per-microbatch losses by definition; or, if per-microbatch "
-                "results are what you want, RoundPipeRunConfig(merge_output=...): 0 "
-                "concatenates along dim 0, 'sum' adds, 'first' keeps the first "
-                "microbatch's, or a pytree of those per output, or a callable over the "
-                "list of per-microbatch outputs")
+                ". ".join(facts) + ". Ways out: num_microbatch=1 for this call (exact); "
+                + ("model.eval() if the write happens only in training mode (BatchNorm's "
+                   "running statistics); " if plan.state_refusal else "")
+                + "forward_backward(), whose loss is the sum of per-microbatch losses (and "
+                "whose buffer writes are per microbatch) by definition; or, if "
+                "per-microbatch results are what you want, RoundPipeRunConfig("
+                "merge_output=...): 0 concatenates along dim 0, 'sum' adds, 'first' keeps "
+                "the first microbatch's, or a pytree of those per output, or a callable "
+                "over the list of per-microbatch outputs (buffers are then written per "
+                "microbatch too)")
         return plan
 
     def _merge_columns(self, entry: _Compiled, result: RunResult, mbs: list,
@@ -820,7 +835,9 @@ class RoundPipe:
             result = entry.executor.forward(flat, record=record, grain=cfg.recompute_grain,
                                             keys=keys, fence_version=version,
                                             autocast=self._autocast(),
-                                            keep=_tail_values(plan))
+                                            keep=_tail_values(plan),
+                                            fresh_state=frozenset(plan.per_call_state)
+                                            if plan is not None else frozenset())
             self._finish(entry, result)
             if not record:
                 return self._merged(entry, result, mbs, cfg, plan)

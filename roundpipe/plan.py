@@ -180,10 +180,23 @@ class OutputTail:
 
 @dataclass(frozen=True)
 class OutputMergePlan:
-    """The merge rule of every flat output for one way of splitting the inputs."""
+    """The merge rule of every flat output for one way of splitting the inputs, and what
+    becomes of the buffers the forward writes.
+
+    Attributes:
+        per_call_state: buffers the forward writes from values no sample changes (a call
+            counter, spectral norm's power iteration): eager writes them once per call, so
+            every microbatch starts from the value the call began with and computes that
+            one write (the last microbatch's copy is committed).
+        state_refusal: why a buffer write has no exact whole-batch equivalent (a write
+            from batch values, such as BatchNorm's running statistics, or from random
+            numbers), naming the buffer; empty when there is none.
+    """
 
     rules: tuple[MergeRule, ...]
     tail: OutputTail | None = None
+    per_call_state: tuple[str, ...] = ()
+    state_refusal: str = ""
 
 
 @dataclass(frozen=True)

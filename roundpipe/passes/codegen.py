@@ -102,6 +102,14 @@ def _is_random(node: torch.fx.Node) -> bool:
     return True
 
 
+def draws_random(traced: TracedGraph, node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (a seeded op, functional dropout, or an
+    opaque module call that may)."""
+    return (_is_random(node) or node.target in _FUNCTIONAL_DROPOUT
+            or (node.target is call_module_functional
+                and _may_be_random(_get_module(traced, node))))
+
+
 def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.fx.Node],
                   state_names: set[str], trace_device: torch.device,
                   keep: frozenset[str] = frozenset()) -> UnitProgram:
@@ -119,10 +127,7 @@ def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.
 
     needs_device = any(_has_device(n.args, trace_device) or _has_device(n.kwargs, trace_device)
                        for n in nodes if n.target not in _DROPPED)
-    needs_rng = any(_is_random(n) or n.target in _FUNCTIONAL_DROPOUT
-                    or (n.target is call_module_functional
-                        and _may_be_random(_get_module(traced, n)))
-                    for n in nodes)
+    needs_rng = any(draws_random(traced, n) for n in nodes)
     # An autocast region the model opened for the device it was traced on follows the
     # program to the device it runs on.
     needs_device = needs_device or any(
@@ -159,10 +164,7 @@ def _unit_program(traced: TracedGraph, index: int, name: str, nodes: list[torch.
         kwargs = map_aggregate(node.kwargs, lambda a: env[a] if isinstance(a, torch.fx.Node)
                                else rewrite_device(a))
         new: torch.fx.Node
-        if node.op == "call_function" and rng_ph is not None and (
-                _is_random(node) or node.target in _FUNCTIONAL_DROPOUT
-                or (node.target is call_module_functional
-                    and _may_be_random(_get_module(traced, node)))):
+        if node.op == "call_function" and rng_ph is not None and draws_random(traced, node):
             new = _random_call(g, node, args, kwargs, rng_ph, device_ph, index, ordinal,
                                traced)
             ordinal += 1

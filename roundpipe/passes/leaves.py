@@ -72,6 +72,8 @@ class _Site:
     # tensor inputs (indices) it registered them
     hooks: tuple[str, ...] = ()
     hooked_inputs: tuple[int, ...] = ()
+    # its own buffers (local names) the real run saw it write, in any mode
+    written_state: tuple[str, ...] = ()
 
 
 WRITES = "roundpipe.writes"  # layers.WRITES (layers imports this module through trace)
@@ -197,6 +199,8 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
         def pre_hook(module: torch.nn.Module, inputs: Any, kw: Any, path: str = path,
                      outside: list[tuple[str, torch.Tensor]] = outside) -> None:
             before[path] = [(n, t, _version(t)) for n, t in outside]
+            before[path + "#own"] = [(n, t, _version(t)) for n, t
+                                     in module.named_buffers(remove_duplicate=False)]
             tensors = [x for x in pytree.tree_leaves((inputs, kw))
                        if isinstance(x, torch.Tensor)]
             before[path + "#inputs"] = [(str(i), t, _version(t))
@@ -207,6 +211,8 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
                  path: str = path) -> None:
             running.pop()
             inputs_seen = before.pop(path + "#inputs", ())
+            written_state = tuple(n for n, t, version in before.pop(path + "#own", ())
+                                  if _version(t) != version)
             written_inputs = tuple(int(i) for i, t, version in inputs_seen
                                    if _version(t) != version)
             passed = {id(t) for _, t, _ in inputs_seen}  # arrive as graph values: carried
@@ -235,6 +241,7 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
             registered = hooks.pop(path, [])
             calls[path].append(_Site(
                 path, spec, leaves_meta, written_inputs=written_inputs,
+                written_state=written_state,
                 hooks=tuple(line for line, _ in registered),
                 hooked_inputs=tuple(sorted({i for _, i in registered if i is not None}))))
         module = model.get_submodule(path)
@@ -298,7 +305,8 @@ def leaves_as_custom_ops(model: torch.nn.Module, leaves: tuple[str, ...],
             counters[path] += 1
             site = _Site(path, template.out_spec, template.out_leaves,
                          written_inputs=template.written_inputs, hooks=template.hooks,
-                         hooked_inputs=template.hooked_inputs)
+                         hooked_inputs=template.hooked_inputs,
+                         written_state=template.written_state)
             sid = next(_NEXT_SITE)
             _SITES[sid] = site
             used[sid] = site
@@ -428,6 +436,13 @@ def replace_opaque_calls(gm: torch.fx.GraphModule, model: torch.nn.Module,
             written = [tensors[i] for i in site.written_inputs
                        if isinstance(tensors[i], torch.fx.Node)]
             call.meta[WRITES] = tuple(alias_root(t) for t in written)
+        if site.written_state:
+            # Its own buffers the real run saw it write (in eval mode too: a counter):
+            # what the trace records of a traced write, so ``pipe(x)`` can tell.
+            from .trace import MUTATES
+            call.meta[MUTATES] = tuple(sorted(
+                mapping[n].name for n in site.written_state
+                if isinstance(mapping.get(n), torch.fx.Node)))
         node.replace_all_uses_with(outs)
         graph.erase_node(node)
         made[call] = site.path

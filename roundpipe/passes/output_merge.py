@@ -39,7 +39,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.modcall import call_module_functional
 from ..plan import MergeRule, OutputMergePlan, OutputRef, OutputTail
-from .codegen import tail_program
+from .codegen import draws_random, tail_program
 from .trace import MODULE_PATH, MUTATES, TracedGraph
 
 R = ("R",)
@@ -133,12 +133,24 @@ def plan_output_merge(traced: TracedGraph, split: Mapping[str, int | None],
     microbatches return: unit outputs and inputs; default: any value), and recomputes
     the per-sample values between those and where samples mix."""
     graph = traced.graph_module.graph
+    written: dict[str, list[torch.fx.Node]] = {}  # buffer slot -> the nodes writing it
+    for node in graph.nodes:
+        for name in node.meta.get(MUTATES, ()):
+            written.setdefault(name, []).append(node)
+    by_name = {n.name: n for n in graph.nodes}
+    for slot, value in traced.buffer_updates:  # reassigned: the new value is the write
+        if value in by_name:
+            written.setdefault(slot, []).append(by_name[value])
     if traced.method == "fx":
+        fqn = {s.name: s.fqn for s in traced.state}
         return OutputMergePlan(tuple(
             MergeRule("first") if ref.value is None else MergeRule(
                 "none", reason="the model was traced by torch.fx, whose graphs record no "
                 "shapes to prove a merge with")
-            for ref in traced.outputs))
+            for ref in traced.outputs), state_refusal=next((
+                f"{fqn.get(slot, slot)} is written in forward, and the model was traced by "
+                "torch.fx, whose graphs record no shapes to prove the write is the same "
+                "for every microbatch" for slot in written), ""))
     state_names = {s.name for s in traced.state}
     states: dict[torch.fx.Node, tuple] = {}
     # The batch size as each split input sees it: export gives inputs their own symbols
@@ -177,6 +189,7 @@ def plan_output_merge(traced: TracedGraph, split: Mapping[str, int | None],
                              and n.name == name), None)
                 if slot is not None and states[node] != R:
                     states[slot] = _m(f"{_where(node)} writes {name} in place")
+    per_call, state_refusal = _state_writes(traced, states, written)
     rules: list[MergeRule] = []
     tail_outputs: list[int] = []
     for j, ref in enumerate(traced.outputs):
@@ -191,19 +204,63 @@ def plan_output_merge(traced: TracedGraph, split: Mapping[str, int | None],
                                    "a size that depends on the batch"))
             tail_outputs.append(j)
     if not tail_outputs:
-        return OutputMergePlan(tuple(rules), None)
+        return OutputMergePlan(tuple(rules), None, per_call, state_refusal)
     tail, refusal = _tail(traced, states, [_output_node(graph, traced.outputs[j])
-                                           for j in tail_outputs], state_names, available)
+                                           for j in tail_outputs], state_names, available,
+                          frozenset(written))
     if tail is None:
         rules = [MergeRule("none", reason=f"{r.reason}; {refusal}") if r.kind == "tail" else r
                  for r in rules]
-        return OutputMergePlan(tuple(rules), None)
+        return OutputMergePlan(tuple(rules), None, per_call, state_refusal)
     values = tuple(traced.outputs[j].value for j in tail_outputs)
     missing = [v for v in values if v not in tail.program.outputs]
     if missing:  # never expected: every tail output is a node of the tail
         raise AssertionError(f"the output tail does not compute {missing}")
     return OutputMergePlan(tuple(rules), dataclasses.replace(
-        tail, outputs=tuple(tail_outputs), output_values=values))
+        tail, outputs=tuple(tail_outputs), output_values=values), per_call, state_refusal)
+
+
+def _state_writes(traced: TracedGraph, states: dict[torch.fx.Node, tuple],
+                  written: Mapping[str, Sequence[torch.fx.Node]]) -> tuple[tuple[str, ...], str]:
+    """The buffers the forward writes from values no sample changes (``R``: every
+    microbatch computes eager's one write when it starts from the value the call began
+    with), or why a write has no whole-batch equivalent: its value depends on the batch
+    (BatchNorm's running statistics, an EMA of a batch mean), or it draws random numbers
+    (each microbatch would draw its own)."""
+    fqn = {s.name: s.fqn for s in traced.state}
+    per_call: list[str] = []
+    for slot, writers in written.items():
+        for node in writers:
+            state = states.get(node, R)
+            where = (f"the opaque (leaf) module {node.meta.get(MODULE_PATH, '?')}"
+                     if node.target is call_module_functional else _where(node))
+            if state != R:
+                why = (state[1] if state[0] == "M" else "the size of the batch" if state == S
+                       else "values of the microbatch's own samples")
+                return (), (f"{fqn.get(slot, slot)} is written in forward from values that "
+                            "may depend on the batch: " + (why if why.startswith(_where(node))
+                                                       else f"{where} writes it; {why}"))
+            if _draws_random(traced, node):
+                return (), (f"{fqn.get(slot, slot)} is written in forward by {where} from "
+                            "random numbers, or from code that may draw them (an opaque "
+                            "module in training mode): each microbatch would draw its own")
+        per_call.append(slot)
+    return tuple(per_call), ""
+
+
+def _draws_random(traced: TracedGraph, node: torch.fx.Node) -> bool:
+    """Whether ``node`` or a node it is computed from draws random numbers."""
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if draws_random(traced, n):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def default_split(traced: TracedGraph) -> dict[str, int | None]:
@@ -242,8 +299,12 @@ def _output_node(graph: torch.fx.Graph, ref: OutputRef) -> torch.fx.Node | None:
 
 def _tail(traced: TracedGraph, states: dict[torch.fx.Node, tuple],
           outputs: Sequence[torch.fx.Node], state_names: set[str],
-          available: frozenset[str] | None) -> tuple[OutputTail | None, str]:
-    """The nodes from the per-sample values to ``outputs``, as a program."""
+          available: frozenset[str] | None, written: frozenset[str] = frozenset()
+          ) -> tuple[OutputTail | None, str]:
+    """The nodes from the per-sample values to ``outputs``, as a program.  It runs after
+    the call has committed its buffer writes, so it may neither write a buffer again nor
+    read one the forward writes (it would read the value the call left, not the one the
+    graph reads at that point)."""
     inside: set[torch.fx.Node] = set()
     frontier: dict[str, tuple[str, int]] = {}  # value -> ("cat", dim) | ("first", 0)
     stack = list(outputs)
@@ -252,6 +313,9 @@ def _tail(traced: TracedGraph, states: dict[torch.fx.Node, tuple],
         if node in inside:
             continue
         inside.add(node)
+        if node.meta.get(MUTATES):
+            return None, (f"the output is computed from a mix of samples before "
+                          f"{_where(node)}, which writes a buffer")
         for arg in node.all_input_nodes:
             state = states.get(arg, R)
             if arg.op == "placeholder" and arg.name in state_names:
@@ -259,6 +323,10 @@ def _tail(traced: TracedGraph, states: dict[torch.fx.Node, tuple],
                 if spec.kind == "parameter" and traced.state_tensors[arg.name].requires_grad:
                     return None, (f"the output is computed from a mix of samples before "
                                   f"{_where(node)} reads the trainable {spec.fqn}")
+                if arg.name in written:
+                    return None, (f"the output is computed from a mix of samples before "
+                                  f"{_where(node)} reads {spec.fqn}, which the forward "
+                                  "writes")
                 continue  # state the tail reads from the model
             readable = available is None or arg.name in available
             if arg.op == "get_attr":

@@ -554,7 +554,8 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             # and a buffer passed to it as an argument that it writes
             written += [r for r in _written_roots(node) if r in buffer_slots]
             if written:
-                node.meta[MUTATES] = tuple(sorted(set(written)))
+                seen = set(node.meta.get(MUTATES, ()))  # what its real run wrote
+                node.meta[MUTATES] = tuple(sorted(set(written) | seen))
     # Tensor hooks the forward registers: carried into the program (traced code) or run
     # by the module's own Python (opaque modules).
     hooked_state = {s.name: s.fqn for s in state if s.kind != "constant"}

@@ -122,9 +122,11 @@ class Stash(list):
     """What :meth:`Executor.forward` keeps for the backward: per microbatch, the values
     the backward reads; and ``state``, the buffers the forward updates as they were before
     it (its updates are committed when it ends), so the recompute replays the forward's
-    updates from the same start and reads what the forward read."""
+    updates from the same start and reads what the forward read (``fresh_state``: the
+    buffers every microbatch started from that first value)."""
 
     state: dict[str, torch.Tensor]
+    fresh_state: frozenset[str]
 
 
 @dataclass
@@ -206,6 +208,9 @@ class _Call:
     keep: frozenset[str] = frozenset()  # more values returned per microbatch (RunResult.values)
     hooks: HookPlan = NO_HOOKS  # where the parameters' autograd hooks run
     mb_grads: dict[str, list[tuple[int, int, torch.Tensor]]] = field(default_factory=dict)
+    # Buffers every microbatch reads as the call began (pipe(x): eager writes them once
+    # per call, from values no sample changes; see OutputMergePlan.per_call_state).
+    fresh_state: frozenset[str] = frozenset()
 
 
 class Executor:
@@ -266,12 +271,16 @@ class Executor:
     def forward(self, inputs: list[dict[str, Any]], *, record: bool, grain: str,
                 keys: list[RngKey | None], fence_version: int,
                 autocast: tuple[str, torch.dtype] | None = None,
-                keep: frozenset[str] = frozenset()) -> RunResult:
+                keep: frozenset[str] = frozenset(),
+                fresh_state: frozenset[str] = frozenset()) -> RunResult:
         """Forward stages and the tail as a forward stage; with ``record`` the values the
-        backward needs are kept in ``RunResult.stash``."""
+        backward needs are kept in ``RunResult.stash``.  Every microbatch starts from the
+        call's first value of the buffers in ``fresh_state`` (so each makes the same
+        write, and the last one's is committed)."""
         call = self._new_call("forward", inputs, [None] * len(inputs), None, grain, True, keys,
                               fence_version, record=record, autocast=autocast)
         call.keep = keep
+        call.fresh_state = fresh_state
         jobs = self._jobs(call, stash_for_backward=record)
         before = {slot: self.host.tensors[slot].clone() for slot in self._written_state
                   } if record else {}
@@ -279,6 +288,7 @@ class Executor:
         if record:
             result.stash = Stash(call.store)
             result.stash.state = before
+            result.stash.fresh_state = fresh_state
         return result
 
     def backward(self, stash: Stash | list[dict[str, Any]], output_grads: list[dict[str, Any]], *,
@@ -296,6 +306,7 @@ class Executor:
                               grain, False, keys, fence_version, record=True,
                               autocast=autocast, only=only)
         call.state = dict(getattr(stash, "state", {}))
+        call.fresh_state = getattr(stash, "fresh_state", frozenset())
         call.on_grads = on_grads
         call.hooks = hooks
         for mb, grads in enumerate(output_grads):

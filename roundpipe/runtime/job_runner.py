@@ -46,6 +46,7 @@ class JobRunner:
         self.units_by_index = {u.index: u for u in self.units}
         self.skip = job.skip
         self.versions: dict[str, int] = {}  # buffer slot -> version when uploaded
+        self.fresh: dict[str, torch.Tensor] = {}  # call.fresh_state slot -> its first value
 
     # --- state -------------------------------------------------------------------------
     def setup(self) -> None:
@@ -64,6 +65,8 @@ class JobRunner:
         # programs wrote that the trace did not show (an opaque module's own code).
         self.versions = {slot: t._version for slot, t in self.state.items()
                          if ex.host.specs[slot].kind == "buffer"}
+        self.fresh = {slot: self.state[slot].clone() for slot in call.fresh_state
+                      if slot in self.state}
         if self.job.kind == "fwd":
             # A unit computes with the same autograd-visible inputs wherever it runs: some
             # kernels branch on requires_grad even under no_grad (CPU aten.lstm), and a
@@ -107,6 +110,7 @@ class JobRunner:
             self.weights.release()
             self.weights = None
         self.state.clear()
+        self.fresh.clear()
         self.param_leaves.clear()
 
     def _release_microbatch(self, mb: int) -> None:
@@ -317,6 +321,9 @@ class JobRunner:
         if self.skip:
             return
         self.prefetch(mb)
+        if mb > 0:  # each microbatch makes the call's one write from the same start
+            for slot, first in self.fresh.items():
+                self.state[slot] = first.clone()
         if self.job.kind == "fwd":
             self._forward(mb)
         elif self.job.kind == "fused":
