@@ -43,7 +43,7 @@ from .compiler import PlanOptions, plan_from_traced
 from .config import RoundPipeRunConfig
 from .errors import (ConfigError, InputError, ModelError, RoundPipeError,
                      UnknownConfigFieldError, unknown_options_message)
-from .passes.batching import BatchSplit, analyze_batching
+from .passes.batching import BatchSplit, analyze_batching, written_buffers
 from .passes.cost import DeviceModel
 from .passes.dynamo import DynamoGraph, Unsupported, from_dynamo
 from .plan import ModelProgram, StagePlan
@@ -352,6 +352,14 @@ class _PipelinedGraph:
         else:
             self.split = None
             self.num_microbatch = 1
+            written = written_buffers(traced)
+            if written and wanted > 1:
+                # Eager writes them once per call, from the whole batch; every microbatch
+                # would write them again (a counter counts twice, spectral norm iterates
+                # twice): the call runs as one microbatch, which is eager (the warning
+                # below names them).
+                split = (f"the forward writes {written}, which eager writes once per call "
+                         "from the whole batch")
             note = ("microbatches: 1 (" + (split if isinstance(split, str) else
                                            "num_microbatch=1") + ")")
         if self.num_microbatch < wanted:
@@ -391,6 +399,13 @@ class _PipelinedGraph:
             self.grad_slot_at.append(p.name if first else None)
             seen.add(p.name)
         self.used_inputs = {n for n in self.program.inputs.names if n is not None}
+        # Outputs eager computes outside autograd (a buffer's new value written under
+        # no_grad, which Dynamo then assigns back to the module: spectral norm's u and v).
+        out_node = next(n for n in traced.graph_module.graph.nodes if n.op == "output")
+        self.no_grad_outputs = frozenset(
+            j for j, v in enumerate(out_node.args[0]) if isinstance(v, torch.fx.Node)
+            and isinstance(v.meta.get("example_value"), torch.Tensor)
+            and not v.meta["example_value"].requires_grad)
         # The first state slot of each unit stands for the unit in the placement table.
         self.unit_anchor = [next(iter(u.state), None) for u in self.program.units]
 
@@ -413,7 +428,10 @@ class _PipelinedGraph:
         if not record:
             return call.forward(record=False)
         outs = pipelined(call, tensors)
-        return call.assemble(outs)
+        # As in eager, they carry no graph: a later call reading them must not run this
+        # call's backward again.
+        return [o.detach() if j in self.no_grad_outputs and isinstance(o, torch.Tensor)
+                else o for j, o in enumerate(call.assemble(outs))]
 
 
 class _Call(PipelinedCall):

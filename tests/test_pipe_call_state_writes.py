@@ -6,7 +6,8 @@ norm's power iteration) is made by every microbatch from the value the call bega
 so each computes eager's one write: outputs, gradients and final buffers equal eager on
 the whole batch.  A write from the batch (BatchNorm's running statistics, an EMA of a
 batch mean) or from random numbers has no such equivalent and is refused with a
-``MergeError`` naming the buffer, before anything runs.
+``MergeError`` naming the buffer, before anything runs.  The torch.compile backend runs a
+graph that writes buffers as one microbatch, with a warning naming them.
 
 These used to write once per microbatch: a counter read 2 where eager reads 1, and
 spectral norm's outputs and gradients were off by up to 0.15 and 2.3 (float64).
@@ -15,6 +16,7 @@ spectral norm's outputs and gradients were off by up to 0.15 and 2.3 (float64).
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Callable
 
 import pytest
@@ -524,3 +526,42 @@ def test_gan_with_spectral_norm_trains_like_eager(name: str, devices: int) -> No
         for (n, b), c in zip(model.named_buffers(), ref.buffers()):
             torch.testing.assert_close(b, c, rtol=1e-10, atol=1e-12, msg=n)
 
+
+# --- the torch.compile backend ----------------------------------------------------------------
+
+BACKEND_BLOCKS: dict[str, Callable[[], nn.Module]] = {
+    "counter": Counter,
+    "weight_ema": WeightEma,
+    "batch_ema": BatchEma,
+    "batchnorm": BatchNormBlock,
+    "spectral_norm": spectral_old,
+    "parametrizations.spectral_norm": spectral_new,
+}
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("name", sorted(BACKEND_BLOCKS))
+def test_backend_with_forward_writes_equals_eager(name: str, devices: int, caplog) -> None:
+    """Two steps: outputs, gradients and buffers equal eager on the whole batch, the
+    graph runs as one microbatch, and one warning line says so, naming the buffers."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net(BACKEND_BLOCKS[name]).double()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="roundpipe",
+                             options={"devices": ["cpu"] * devices, "num_microbatch": 2})
+    x = torch.randn(6, WIDTH, dtype=torch.double)
+    try:
+        with caplog.at_level(logging.WARNING, logger="roundpipe"):
+            for _ in range(2):
+                out, ref = compiled(x), eager(x)
+                torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+                out.pow(2).sum().backward()
+                ref.pow(2).sum().backward()
+                _compare(model, eager, grads=True)
+    finally:
+        torch._dynamo.reset()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and "1 microbatch" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "the forward writes blocks.0." in warnings[0]

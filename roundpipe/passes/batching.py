@@ -976,3 +976,15 @@ _register(["zeros", "ones", "empty", "full", "rand", "randn"], _factory, methods
 _register(["new_zeros", "new_ones", "new_empty", "new_full"], _factory)
 _register(["size"], _size)
 del _fn, _k
+
+
+def written_buffers(traced: Any) -> str:
+    """The buffers a graph writes in place, by name (a few, then how many more); empty
+    when it writes none.  (Each microbatch would write them again: such a graph runs as
+    one microbatch.)"""
+    fqn = {s.name: s.fqn for s in traced.state}
+    names = list(dict.fromkeys(fqn.get(m, m) for n in traced.graph_module.graph.nodes
+                               for m in n.meta.get(MUTATES, ())))
+    if len(names) > 3:
+        return f"{', '.join(names[:3])} and {len(names) - 3} more buffers"
+    return ", ".join(names)
