@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from roundpipe import RoundPipe, RoundPipeRunConfig, save_checkpoint  # noqa: E402
+from benchutil import add_smoke_flag, apply_smoke  # noqa: E402
 
 GB = 1e9
 
@@ -136,7 +137,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the model's dtype (bf16 matmuls are slow on CPUs without "
                              "native support)")
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    args = apply_smoke(parser.parse_args(), width=64, layers=2, steps=2)
     work = tempfile.mkdtemp(prefix="rp-ckpt-", dir=args.dir)
     try:
         pipe, opt, x = build(args.width, args.layers, getattr(torch, args.dtype))

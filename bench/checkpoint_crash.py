@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from roundpipe import RoundPipe, load_checkpoint, save_checkpoint  # noqa: E402
+from benchutil import add_smoke_flag, apply_smoke  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
     p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -114,7 +115,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sharded", action="store_true",
                         help="sharded (directory) checkpoints instead of one file")
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    args = apply_smoke(parser.parse_args(), kills=1, width=64)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ck" if args.sharded else "ck.pt")

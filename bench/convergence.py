@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 from train_gpt import GPT  # noqa: E402
+from benchutil import add_smoke_flag, apply_smoke  # noqa: E402
 
 RUNS = ("eager", "exact", "async", "async4", "stale")
 
@@ -236,7 +237,10 @@ def main() -> None:
     parser.add_argument("--png", default=os.path.join(ROOT, "docs", "convergence.png"))
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
                                                        "convergence.json"))
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    args = apply_smoke(parser.parse_args(), steps=3, batch=4, seq=32, d=32, layers=1,
+                       heads=2, warmup=1, eval_every=2, val_sequences=4,
+                       runs="eager,exact,async", png="", json="")
     runs = [r for r in args.runs.split(",") if r]
     unknown = set(runs) - set(RUNS)
     if unknown:

@@ -23,20 +23,15 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train_gpt import GPT
 
 import roundpipe
 from roundpipe import RoundPipeRunConfig
+from benchutil import add_smoke_flag, apply_smoke, lm_loss  # noqa: E402
 
 MiB = 2**20
-
-
-def lm_loss(logits: Any, y: torch.Tensor) -> torch.Tensor:
-    logits = getattr(logits, "logits", logits)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def gpt_case(batch: int = 8, seq: int = 64) -> tuple[torch.nn.Module, tuple, torch.Tensor]:
@@ -89,16 +84,17 @@ def overhead(steps: int) -> None:
         pipe.close()
 
 
-def ratios(grain: str) -> None:
+def ratios(grain: str, smoke: bool = False) -> None:
     """Per stage: the estimate, the measured peak and their ratio; then the estimate's
     parts (weights, gradients, activations) against the measured peak less the same
     weights and gradients (what the job held besides them)."""
     print(f"{'model':6} {'dev':>3} {'mb':>3} {'stage':>5} {'kind':5} {'est MiB':>8} "
           f"{'meas MiB':>8} {'est/meas':>8} | {'weights':>7} {'grads':>6} {'est act':>7} "
           f"{'meas rest':>9} {'act ratio':>9}")
-    for name, case in (("gpt", gpt_case), ("llama", llama_case)):
-        for devices in (1, 4):
-            for mb in (1, 4):
+    cases = (("gpt", gpt_case),) if smoke else (("gpt", gpt_case), ("llama", llama_case))
+    for name, case in cases:
+        for devices in (2,) if smoke else (1, 4):
+            for mb in (2,) if smoke else (1, 4):
                 pipe, args, labels = pipe_for(case, devices, mb, True, grain)
                 step(pipe, args, labels)
                 stats, plan = pipe.stats(), pipe.plan
@@ -126,11 +122,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed rounds (overhead)")
     parser.add_argument("--grain", choices=("stage", "layer"), default="stage",
                         help="recompute grain (ratios)")
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    args = apply_smoke(parser.parse_args(), steps=1)
     if args.what in ("overhead", "both"):
         overhead(args.steps)
     if args.what in ("ratios", "both"):
-        ratios(args.grain)
+        ratios(args.grain, args.smoke)
 
 
 if __name__ == "__main__":

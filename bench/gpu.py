@@ -30,99 +30,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchutil import Llama, cuda_median_time, lm_loss, rss_bytes  # noqa: E402
 
 GiB = 2**30
-
-
-# --- a Llama-shaped model in plain PyTorch (no transformers needed on the GPU box) --------
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self, d: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.o = nn.Linear(d, d, bias=False)
-        self.norm2 = RMSNorm(d)
-        self.gate_up = nn.Linear(d, 2 * ffn, bias=False)
-        self.down = nn.Linear(ffn, d, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, self.heads, C // self.heads).permute(
-            2, 0, 3, 1, 4).unbind(0)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(B, T, C))
-        g, u = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
-
-
-class Llama(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList([LlamaBlock(d, heads, ffn) for _ in range(layers)])
-        self.norm = RMSNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        inv = 1.0 / (10000 ** (torch.arange(0, d // heads, 2).float() / (d // heads)))
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        t = torch.arange(T, device=idx.device, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        x = self.embed(idx)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.head(self.norm(x))
-
-
-def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 # --- measurements -----------------------------------------------------------------------
 
 def median_time(fn: Callable[[], Any], repeat: int = 5, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return cuda_median_time(fn, repeat=repeat, warmup=warmup)
 
 
 def copy_bandwidth(pinned: bool, nbytes: int = 512 * 2**20) -> float:
@@ -158,15 +84,6 @@ def busy_fraction(run: Callable[[], Any]) -> float:
     if kernels == 0:  # the profiler saw no kernel of the worker threads: no figure
         return float("nan")
     return kernel_us / 1e6 / wall / max(1, torch.cuda.device_count())
-
-
-def rss_bytes() -> int:
-    """This process's resident host memory (pinned pages included)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: int,

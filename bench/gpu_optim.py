@@ -36,8 +36,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu import Llama, lm_loss, matmul_rate  # noqa: E402
-from gpu_profile import PHASES, instrument, timed  # noqa: E402
+from benchutil import PHASES, Llama, cuda_median_time as timed, instrument, lm_loss  # noqa: E402
+from gpu import matmul_rate  # noqa: E402
 
 GiB = 2**30
 SHAPES = {  # d, layers, heads, ffn (bench/gpu.py's "largest" shapes)

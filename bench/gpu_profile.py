@@ -1,6 +1,7 @@
 """Where a roundpipe training step spends its time on a GPU (skipped without CUDA).
 
-Run: ``python bench/gpu_profile.py [--out DIR]``.  For the Llama-shaped model of
+Run: ``python bench/gpu_profile.py [--out DIR]`` (``--smoke``: the same path at tiny sizes
+on two virtual CPU devices, no profiler).  For the Llama-shaped model of
 ``bench/gpu.py``'s "fits" section it prints, for a few microbatch counts:
 
 - the step split into ``forward_backward`` and the optimizer (each waited for alone);
@@ -24,45 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu import Llama, lm_loss  # noqa: E402
-
-
-def timed(fn, repeat: int = 5) -> float:
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-PHASES: dict[str, list[float]] = {}
-
-
-def instrument() -> None:
-    """Wrap the host-side phases of a call with wall-clock timers (per call, any thread)."""
-    import functools
-
-    from roundpipe import api
-    from roundpipe.runtime import executor, host_state, optimizer
-
-    targets = [(api.RoundPipe, "_prepare"), (api.RoundPipe, "_finish"),
-               (executor.Executor, "train"), (host_state.ModelState, "commit_grads"),
-               (host_state.ModelState, "publish"), (optimizer.OptimizerWorker, "wait"),
-               (optimizer.OptimizerWorker, "_run")]
-    for cls, name in targets:
-        fn = getattr(cls, name)
-
-        def wrapped(*a, __fn=fn, __key=f"{cls.__name__}.{name}", **k):
-            t = time.perf_counter()
-            try:
-                return __fn(*a, **k)
-            finally:
-                PHASES.setdefault(__key, []).append(time.perf_counter() - t)
-        functools.update_wrapper(wrapped, fn)
-        setattr(cls, name, wrapped)
+from benchutil import PHASES, Llama, add_smoke_flag, instrument, lm_loss  # noqa: E402
+from benchutil import cuda_median_time as timed  # noqa: E402
 
 
 def main() -> int:
@@ -77,8 +41,14 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="also run torch.profiler")
     parser.add_argument("--only-step", action="store_true",
                         help="only time the overlapped step (7 repeats), for A/B runs")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    devices = None  # roundpipe's default: every visible GPU
+    if args.smoke:  # the CPU path: tiny sizes on two virtual CPU devices, no profiler
+        import tempfile
+        args.out, args.mbs, args.layers, args.width = tempfile.mkdtemp(), "2", 2, 128
+        args.batch, args.seq, args.profile, devices = 4, 16, False, ["cpu"] * 2
+    elif not torch.cuda.is_available():
         print("bench/gpu_profile.py: skipped, no CUDA device is visible")
         return 0
     import roundpipe
@@ -86,7 +56,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
     os.makedirs(args.out, exist_ok=True)
     instrument()
-    vocab = 32000
+    vocab = 64 if args.smoke else 32000
     torch.manual_seed(0)
     x = torch.randint(0, vocab, (args.batch, args.seq))
     y = torch.randint(0, vocab, (args.batch, args.seq))
@@ -94,7 +64,7 @@ def main() -> int:
         model = Llama(vocab, args.width, args.layers, args.width // 128, args.width * 11 // 4
                       ).to(torch.bfloat16)
         cfg = RoundPipeRunConfig(num_microbatch=num_mb, recompute_grain=args.grain)
-        pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32,
+        pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32, devices=devices,
                                  model_run_config=cfg)
         opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-4)
         fb = lambda: pipe.forward_backward(input_args=(x,), label=y, loss_fn=lm_loss)  # noqa

@@ -30,6 +30,7 @@ import sys
 import torch
 import torch.nn as nn
 from tabulate import tabulate
+from benchutil import add_smoke_flag, apply_smoke, rss_bytes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -38,14 +39,6 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 CONFIGS = ("fp32-none-sgd", "fp32-none-adamw", "bf16-fp32-sgd", "bf16-fp32-adamw",
            "bf16-fp32-lora", "bf16-fp32-rpsgd", "bf16-fp32-rpadamw", "bf16-fp32-rpadamwbf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": None}
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
 
 
 class LoRALinear(nn.Module):
@@ -72,12 +65,11 @@ class Stack(nn.Module):
         return x
 
 
-def run_one(config: str, params_millions: int, steps: int) -> dict:
+def run_one(config: str, params_millions: int, steps: int, width: int = 4096) -> dict:
     import roundpipe
     from progress import Progress
 
     model_dtype, master, optim = config.split("-")
-    width = 4096
     layers = max(2, round(params_millions * 1e6 / (width * width + width)))
     base = rss_bytes()
     model = Stack(width, layers, DTYPES[model_dtype], lora=optim == "lora")
@@ -123,16 +115,20 @@ def main() -> None:
     parser.add_argument("--params-millions", type=int, default=500)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--width", type=int, default=4096, help="of each square layer")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process's config
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    args = apply_smoke(parser.parse_args(), params_millions=1, steps=1, width=128,
+                       configs="bf16-fp32-rpadamw")
     if args.one:
-        print(json.dumps(run_one(args.one, args.params_millions, args.steps)))
+        print(json.dumps(run_one(args.one, args.params_millions, args.steps, args.width)))
         return
     rows = []
     for config in args.configs.split(","):
         out = subprocess.run(
             [sys.executable, __file__, "--one", config, "--params-millions",
-             str(args.params_millions), "--steps", str(args.steps)],
+             str(args.params_millions), "--steps", str(args.steps), "--width",
+             str(args.width)],
             capture_output=True, text=True, check=False)
         if out.returncode != 0:
             print(f"{config}: failed\n{out.stderr[-2000:]}")

@@ -39,6 +39,7 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from roundpipe import RoundPipe, RoundPipeRunConfig  # noqa: E402
+from benchutil import add_smoke_flag, apply_smoke  # noqa: E402
 
 
 def memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -65,7 +66,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--host-only", action="store_true")
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    args = apply_smoke(parser.parse_args(), width=128, layers=2, repeats=1)
     if args.host_only:
         host_step(args.width * args.width * args.layers, args.repeats)
         return
@@ -143,9 +145,9 @@ def triad_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
 def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str,
                    kernel: str):
     """roundpipe.optim's step on one flat master, as its optimizers run it on a pipe's
-    masters (``_update_group``: the native loop, or torch's fused kernel through
-    cache-sized scratch, reads the bf16 gradient where it landed); publishing converts
-    the master."""
+    masters (``step_pairs``, their documented entry point for this: the native loop, or
+    torch's fused kernel through cache-sized scratch, reads the bf16 gradient where it
+    landed); publishing converts the master."""
     import roundpipe.optim
     master = torch.nn.Parameter(weight.float())
     grad = landed.clone()
@@ -154,9 +156,8 @@ def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str
     else:
         opt = roundpipe.optim.AdamW([master], lr=1e-4, kernel=kernel, state_dtype=(
             torch.float32 if kind == "adamw" else torch.bfloat16))
-    group = opt.param_groups[0]
     return {"refill": lambda: grad.copy_(landed),
-            "update": lambda: opt._update_group(group, [(master, grad)]),
+            "update": lambda: opt.step_pairs([(master, grad)]),
             "publish": lambda: weight.copy_(master.detach())}
 
 

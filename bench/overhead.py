@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 from train_gpt import GPT  # noqa: E402
+from benchutil import add_smoke_flag, apply_smoke  # noqa: E402
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -60,7 +61,8 @@ def main() -> None:
                         help="skip pipe(x).backward() and the torch.compile backend")
     parser.add_argument("--no-peers", dest="peers", action="store_false",
                         help="skip torch.distributed.pipelining and torchgpipe")
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    args = apply_smoke(parser.parse_args(), layers=1, width=32, batch=4, seq=8, repeats=1)
 
     torch.manual_seed(0)
     model = GPT(32, d=args.width, layers=args.layers, heads=4)

@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roundpipe.compiler import analyze, compile_model  # noqa: E402
 from roundpipe.passes.partition import min_max_partition  # noqa: E402
 from roundpipe.ops.rng import RngKey  # noqa: E402
+from benchutil import add_smoke_flag, apply_smoke  # noqa: E402
 
 
 # --- models ------------------------------------------------------------------------------
@@ -162,12 +163,16 @@ def greedy_bounds(weights: list[float], k: int) -> tuple[int, ...]:
     return tuple(bounds) + (len(weights),)
 
 
-def balance_rows(stages: int) -> list[list[str]]:
+def balance_rows(stages: int, smoke: bool = False) -> list[list[str]]:
     torch.manual_seed(0)
     cases = [
         ("transformer", LM(8192, 256, 8), (torch.randint(0, 8192, (4, 128)),)),
         ("conv net", ConvNet(), (torch.randn(8, 3, 64, 64),)),
         ("MoE transformer", LM(2048, 128, 8, moe=True), (torch.randint(0, 2048, (4, 64)),)),
+    ] if not smoke else [
+        ("transformer", LM(64, 32, 4), (torch.randint(0, 64, (2, 8)),)),
+        ("conv net", ConvNet(), (torch.randn(1, 3, 16, 16),)),
+        ("MoE transformer", LM(64, 32, 4, moe=True), (torch.randint(0, 64, (2, 8)),)),
     ]
     rows = []
     for name, model, example in cases:
@@ -188,10 +193,10 @@ def balance_rows(stages: int) -> list[list[str]]:
 
 
 def compile_rows(max_layers: int, repeats: int) -> list[list[str]]:
-    """Median (and range) of ``repeats`` compiles per depth, with and without sharing the
-    trace of identical blocks."""
+    """Median (and range) of ``repeats`` compiles per depth (from 8 layers, or
+    ``max_layers`` if fewer), with and without sharing the trace of identical blocks."""
     rows = []
-    layers = 8
+    layers = min(8, max_layers)
     while layers <= max_layers:
         times: dict[bool, list[float]] = {True: [], False: []}
         units = 0
@@ -218,7 +223,7 @@ def capped_rows(cap_gib: float = 24.0) -> list[list[str]]:
     """Stage count, estimated step time and memory of the 1.36B shape, old against new."""
     import roundpipe.passes.cost as cost
     from roundpipe.passes.cost import DeviceModel
-    from gpu import Llama
+    from benchutil import Llama
     h100 = DeviceModel("H100", 6.0e14, 3.0e12, 4.0e10, 6e-6, 512)
     with torch.device("meta"):
         model = Llama(32000, 2048, 24, 16, 5632).to(torch.bfloat16)
@@ -249,7 +254,8 @@ def main() -> None:
     parser.add_argument("--max-layers", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sections", default="balance,compile,capped")
-    args = parser.parse_args()
+    add_smoke_flag(parser)
+    args = apply_smoke(parser.parse_args(), max_layers=2, repeats=1, sections="balance,compile")
     sections = args.sections.split(",")
     if "capped" in sections:
         print("1.36B Llama (24 x 2048, bf16), 1 device, 2 x 4 x 2048 tokens, 24 GiB cap")
@@ -260,7 +266,7 @@ def main() -> None:
         return
     print(f"Bottleneck stage / ideal, {args.stages} stages, scored with measured unit times "
           f"(lower is better, 1.00 is perfect)")
-    print(tabulate(balance_rows(args.stages),
+    print(tabulate(balance_rows(args.stages, args.smoke),
                    headers=["model", "units", "roundpipe", "uniform", "parameters",
                             "estimate~measured corr."]))
     print("\nCompile time (trace + all passes) of a width-32 GPT, median of "

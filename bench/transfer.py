@@ -12,11 +12,11 @@ GPT for a few steps and reports, for the last step:
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 import torch
-import torch.nn.functional as F
 from tabulate import tabulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,12 +25,9 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from roundpipe import RoundPipe, RoundPipeRunConfig  # noqa: E402
 from train_gpt import GPT  # noqa: E402
+from benchutil import add_smoke_flag, lm_loss as loss_fn  # noqa: E402
 
 MiB = 2**20
-
-
-def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def measure(devices: int, num_mb: int = 9, layers: int = 8) -> list[str]:
@@ -63,8 +60,13 @@ def measure(devices: int, num_mb: int = 9, layers: int = 8) -> list[str]:
 
 
 def main() -> None:
-    rows = [measure(d) for d in (1, 2, 4, 8)]
-    print("GPT, 8 layers, width 128, 9 microbatches of 2 x 32 tokens, last of 3 steps")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    layers, num_mb, counts = (2, 3, (1, 2)) if args.smoke else (8, 9, (1, 2, 4, 8))
+    rows = [measure(d, num_mb, layers) for d in counts]
+    print(f"GPT, {layers} layers, width 128, {num_mb} microbatches of 2 x 32 tokens, "
+          "last of 3 steps")
     print(tabulate(rows, headers=[
         "devices", "stages", "weights up MiB", "/ ideal", "activations up MiB", "/ ideal",
         "labels+grads up MiB", "down MiB", "peak weights / 2 stages"]))

@@ -85,8 +85,7 @@ def main() -> None:
         pipe.step(lambda: (opt.step(), opt.zero_grad()))
         # the loss of the committed gradient: averaged over replicas, summed over
         # microbatches; report the mean per microbatch
-        losses.append(loss.item() / pipe.model_run_config.resolve(len(pipe.devices))
-                      .num_microbatch)
+        losses.append(loss.item() / pipe.resolve_run_config().num_microbatch)
         bar.show(loss=f"{losses[-1]:.3f}")
     pipe.synchronize()
     bar.close()

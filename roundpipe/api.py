@@ -499,8 +499,15 @@ class RoundPipe:
         return self.plan if self._current is entry else new
 
     # --- calls ---------------------------------------------------------------------------
-    def _config(self, run_config: RoundPipeRunConfig | None) -> ResolvedRunConfig:
+    def resolve_run_config(self, run_config: RoundPipeRunConfig | None = None
+                           ) -> ResolvedRunConfig:
+        """The run configuration a call given ``run_config`` would use: the pipe's
+        ``model_run_config`` overridden by ``run_config``, every default filled in (a frozen
+        :class:`roundpipe.config.ResolvedRunConfig`).  Nothing runs; for integrations that
+        fit a call to the pipe (e.g. a last batch smaller than ``num_microbatch``)."""
         return self.model_run_config.overridden_by(run_config).resolve(len(self.devices))
+
+    _config = resolve_run_config  # the name the calls below use
 
     def _autocast(self) -> tuple[str, torch.dtype] | None:
         return autocast_state(self.devices)
@@ -933,6 +940,22 @@ class RoundPipe:
         self._optimizer.synchronize()
         for hook in self._sync_hooks:
             hook()
+
+    def wait(self) -> None:
+        """Wait for the steps in flight without publishing them: the optimizer's state
+        (and the masters) are then those after the last ``step``, while the model's
+        weights may still be one step old (:meth:`synchronize` also publishes them).
+        Raises :class:`StepError` for a step that failed; a no-op inside a ``step_fn``.
+        For integrations that read or replace the optimizer's state between steps."""
+        self._optimizer.wait()
+
+    @property
+    def has_masters(self) -> bool:
+        """Whether the pipe keeps separate master copies of the trainable weights
+        (``optim_dtype`` given): the optimizer then updates the masters and an
+        asynchronous step can overlap the next call; without masters it updates the
+        model's own weights and the next call waits for the step."""
+        return self._state.has_masters
 
     def optim_parameters(self) -> list[torch.Tensor]:
         """The tensors an optimizer should update: fp32 (``optim_dtype``) masters of the

@@ -62,12 +62,14 @@ def bytes_per_param(optimizer: Any, model_bytes: int, master_bytes: int | None) 
     ``model_bytes``: the model's element size (2 for bf16); ``master_bytes``: the
     masters' (4 for fp32), None without masters (the optimizer updates the model's
     parameters, nothing is published)."""
-    from .optim.one_pass import OnePass
+    # roundpipe.optim's optimizers say so with a class attribute: the core does not
+    # import roundpipe.optim (tests/test_layering.py)
+    reads_landed = getattr(type(optimizer), "reads_landed_grads", False) is True
     n_states, _ = _states(optimizer)
     master = master_bytes if master_bytes is not None else model_bytes
-    one_pass = isinstance(optimizer, OnePass) and master_bytes is not None
+    one_pass = reads_landed and master_bytes is not None
     state = master
-    if isinstance(optimizer, OnePass) and optimizer.state_dtype is not None:
+    if reads_landed and getattr(optimizer, "state_dtype", None) is not None:
         state = optimizer.state_dtype.itemsize
     if one_pass:  # the landed gradient is read in the update itself
         landing, grad = 0, model_bytes

@@ -77,14 +77,14 @@ class PipeOptimizer(torch.optim.Optimizer):
         """Nothing to do: each step zeroes the gradients it used."""
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        self.pipe._optimizer.wait()  # the step in flight, not published (the run is kept)
+        self.pipe.wait()  # the step in flight, not published (the run is kept)
         state = self.inner.state_dict()
         for group, values in zip(state["param_groups"], self._hyper()):
             group.update(values)  # the scheduler's newest values, as Trainer saves them
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        self.pipe._optimizer.wait()
+        self.pipe.wait()
         self.inner.load_state_dict(state_dict)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -106,5 +106,5 @@ class NormOfNextStep:
         norm = getattr(optimizer, "grad_norm", None)
         if norm is None:
             return None
-        self.trainer.pipe._optimizer.wait()  # the step, not published: the run is kept
+        self.trainer.pipe.wait()  # the step, not published: the run is kept
         return norm.item()

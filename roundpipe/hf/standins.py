@@ -20,7 +20,7 @@ def fitted_run_config(pipe: RoundPipe, args: tuple[Any, ...], kwargs: dict[str, 
                       ) -> RoundPipeRunConfig | None:
     """A batch with fewer rows than ``num_microbatch`` (an epoch's last, evaluation's
     last) runs as one microbatch per row; None: the pipe's own configuration."""
-    config = pipe._config(None)
+    config = pipe.resolve_run_config()
     rows = leading_size(args, kwargs)
     if config.split_input is None and 0 < rows < config.num_microbatch:
         return RoundPipeRunConfig(num_microbatch=rows)

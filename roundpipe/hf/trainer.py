@@ -78,7 +78,7 @@ class RoundPipeTrainerMixin:
         _warn_if_loss_scale_unknown(self, run_config.num_microbatch)
         self._prepare_model_for_pipe()
         self.pipe = RoundPipe(self.model, model_run_config=run_config, **pipe_kwargs)
-        if self._async_step and not self.pipe._state.has_masters:
+        if self._async_step and not self.pipe.has_masters:
             # Without masters the optimizer updates the weights the next call reads: the
             # call would wait for the step anyway, and Trainer's model.zero_grad() after
             # step() must not race it.

@@ -44,6 +44,9 @@ class OnePass:
 
     _torch_base: type[torch.optim.Optimizer]
     state_dtype: torch.dtype | None
+    #: read by host_step.py's estimate (the core does not import roundpipe.optim): a step
+    #: reads the landed gradients in its own pass, its moments are ``state_dtype``
+    reads_landed_grads = True
 
     def _init_one_pass(self, state_dtype: torch.dtype | None, kernel: str = "auto") -> None:
         if kernel not in KERNELS:
@@ -118,12 +121,34 @@ class OnePass:
         scales: dict[int, tuple[torch.Tensor, ...]] = {}
         work = [[(p, grad) for p in params
                  if (grad := self._grad_of(p, scales)) is not None] for params in mine]
+        self._step_work(groups, work, scales, lambda: self._torch_step_without(mine))
+        return loss
+
+    @torch.no_grad()
+    def step_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                   group: int = 0) -> None:
+        """One step of ``param_groups[group]`` over the given ``(parameter, gradient)``
+        pairs, as :meth:`step` runs it after finding the gradients: state allocated
+        first, then the one-pass update reading each gradient as it is (e.g. a bf16 one
+        for a float32 parameter, as a pipe's landed gradient).  No pipe, no closure, no
+        other group.  A documented internal entry point: bench/optimizer.py times the
+        update kernels with it (docs/guide.md, "Seams for integrations")."""
+        groups = self.param_groups  # type: ignore[attr-defined]
+        self._check_group(groups[group])
+        self._step_work(groups, [list(pairs) if k == group else []
+                                 for k in range(len(groups))], {})
+
+    def _step_work(self, groups: list[dict[str, Any]],
+                   work: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                   scales: dict[int, tuple[torch.Tensor, ...]],
+                   before_update: Callable[[], None] | None = None) -> None:
         # Every buffer is allocated before anything is written: running out of host
         # memory in a later group must not leave earlier groups stepped.
         known = {id(p) for p in self.state}  # type: ignore[attr-defined]
         created = self._allocate_state(list(zip(groups, work)))
         try:  # torch's step on the other parameters (it allocates their state too)
-            self._torch_step_without(mine)
+            if before_update is not None:
+                before_update()
         except BaseException:
             # none of this class's parameters was written: the next step starts the
             # buffers made here afresh (SGD's first step copies the gradient)
@@ -137,7 +162,6 @@ class OnePass:
                     self._update_group(g, pairs)
         finally:
             self._scales, self._fresh = {}, frozenset()
-        return loss
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The state tensors (each shaped as its parameter) a step of ``group`` keeps."""
