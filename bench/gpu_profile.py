@@ -18,7 +18,6 @@ import gzip
 import os
 import statistics
 import sys
-import time
 
 import torch
 

@@ -1,0 +1,237 @@
+"""Every script in bench/ and examples/ runs, in its smoke mode, so none rots unnoticed.
+
+Each case runs one script as ``python SCRIPT ARGS`` would, in a child process, and checks
+its exit status and a line of its output: the bench scripts with ``--smoke`` (tiny sizes:
+seconds), the examples with tiny sizes through their own arguments.  train_gpt.py,
+finetune_hf.py and finetune_trainer.py run in tests/test_example.py and are not repeated.
+
+Importing torch takes seconds, more than most smoke runs, so the children are forked from
+one process that imported torch and roundpipe once (a fork server; each child then runs
+the script with ``runpy`` as ``python SCRIPT`` does, its own process, its own exit status).
+Without ``os.fork`` each case starts a fresh interpreter instead.
+
+The GPU benches: ``gpu_profile.py --smoke`` runs its whole path on two virtual CPU devices
+(instrumentation included, no profiler).  ``gpu.py`` and ``gpu_optim.py`` measure CUDA
+only; here they run ``--help``, their no-CUDA exit, and their CPU-runnable parts (the
+shared Llama through a pipe, the optimizers gpu_optim.py builds, its /proc reader).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    p for p in (ROOT, os.environ.get("PYTHONPATH")) if p), "OMP_NUM_THREADS": "1"}
+TIMEOUT_S = 240
+
+# The fork server: reads one JSON request per line, forks a child per request that runs
+# the script as __main__ with its stdout and stderr in a file, and answers its pid, then
+# its exit status.  Only imports happen before the fork (no thread is started yet).
+SERVER = r"""
+import json, os, runpy, sys, traceback
+import torch, tabulate, roundpipe  # what every script imports, paid once
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.chdir(req["cwd"])
+            sys.argv = [req["script"]] + req["args"]
+            sys.path[0] = os.path.dirname(req["script"])
+            try:
+                if req.get("code"):
+                    exec(compile(req["code"], "<smoke>", "exec"), {"__name__": "__main__"})
+                else:
+                    runpy.run_path(req["script"], run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+class Runner:
+    """Runs scripts in children: forked from the server where the OS can, else fresh."""
+
+    def __init__(self) -> None:
+        self.server = None
+        if hasattr(os, "fork"):
+            self.server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, env=ENV,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           text=True)
+
+    def run(self, script: str, args: list[str], cwd: str, code: str | None = None
+            ) -> tuple[int, str]:
+        path = os.path.join(ROOT, script)
+        with tempfile.NamedTemporaryFile(suffix=".log", delete=False) as f:
+            log = f.name
+        try:
+            if self.server is None:
+                cmd = [sys.executable] + (["-c", code] if code else [path]) + args
+                with open(log, "w") as out:
+                    rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                        env={**ENV, "PYTHONPATH": os.pathsep.join(
+                                            (os.path.dirname(path), ENV["PYTHONPATH"]))},
+                                        timeout=TIMEOUT_S).returncode
+            else:
+                rc = self._forked(path, args, cwd, code, log)
+            with open(log) as f:
+                return rc, f.read()
+        finally:
+            os.remove(log)
+
+    def _forked(self, path: str, args: list[str], cwd: str, code: str | None, log: str
+                ) -> int:
+        assert self.server is not None and self.server.stdin and self.server.stdout
+        self.server.stdin.write(json.dumps({"script": path, "args": args, "cwd": cwd,
+                                            "log": log, "code": code}) + "\n")
+        self.server.stdin.flush()
+        pid = json.loads(self.server.stdout.readline())["pid"]
+        deadline = time.monotonic() + TIMEOUT_S
+        while not select.select([self.server.stdout], [], [], 1.0)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)  # the server then answers its status
+                break
+        line = self.server.stdout.readline()
+        if not line:
+            raise RuntimeError("the fork server died")
+        return json.loads(line)["rc"]
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stdin.close()  # type: ignore[union-attr]
+            self.server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = Runner()
+    yield r
+    r.close()
+
+
+def _check(runner: Runner, script: str, args: list[str], expect: str, tmp_path,
+           code: str | None = None) -> str:
+    rc, out = runner.run(script, args, str(tmp_path), code)
+    assert rc == 0, f"{script} {' '.join(args)} exited {rc}:\n{out[-3000:]}"
+    assert expect in out, f"{script}: {expect!r} not in its output:\n{out[-3000:]}"
+    return out
+
+
+# (script, arguments, a line its output must contain)
+BENCH = [
+    ("bench/checkpoint.py", ["--smoke"], "async sharded save"),
+    ("bench/checkpoint_crash.py", ["--smoke"], "1 kills of a process saving"),
+    ("bench/convergence.py", ["--smoke"], "final val loss"),
+    ("bench/data_parallel.py", ["--smoke"], "2 replicas, bucket 1MiB"),
+    ("bench/device_memory.py", ["--smoke"], "plan device_memory_bytes"),
+    ("bench/gpu_profile.py", ["--smoke"], "=== microbatches 2"),
+    ("bench/hf_sweep.py", ["--smoke"], "llama"),
+    ("bench/host_memory.py", ["--smoke"], "bf16-fp32-rpadamw"),
+    ("bench/optimizer.py", ["--smoke"], "roundpipe.optim.AdamW(state_dtype=bf16), native"),
+    ("bench/optimizer.py", ["--smoke", "--host-only"], "roundpipe.optim.SGD(momentum), fused"),
+    ("bench/overhead.py", ["--smoke"], "roundpipe / eager"),
+    ("bench/partition.py", ["--smoke"], "Compile time"),
+    ("bench/partition_solver.py", ["--smoke"], "pipeline+mem ms"),
+    ("bench/soak.py", ["--smoke"], "after warm-up"),
+    ("bench/transfer.py", ["--smoke"], "peak weights / 2 stages"),
+]
+
+
+@pytest.mark.parametrize("script, args, expect", BENCH,
+                         ids=[f"{s}{' ' + ' '.join(a[1:]) if a[1:] else ''}"
+                              for s, a, _ in BENCH])
+def test_bench_script_runs_in_smoke_mode(runner, script, args, expect, tmp_path):
+    if script == "bench/hf_sweep.py":
+        pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
+    out = _check(runner, script, args, expect, tmp_path)
+    if script == "bench/hf_sweep.py":  # a sweep reports failures as rows: llama must pass
+        assert any(line.split()[:2] == ["llama", "ok"] for line in out.splitlines()), out
+    if script == "bench/gpu_profile.py":  # the instrumented internal phases were timed
+        assert "RoundPipe._prepare" in out and "OptimizerWorker.wait" in out, out
+
+
+def test_every_script_has_a_smoke_case():
+    """A new script in bench/ or examples/ needs a case here (or in test_example.py)."""
+    covered = {s for s, _, _ in BENCH} | {s for s, _, _ in EXAMPLES} | {
+        "bench/benchutil.py", "bench/gpu.py", "bench/gpu_optim.py",  # below
+        "examples/train_gpt.py", "examples/finetune_hf.py",  # tests/test_example.py
+        "examples/finetune_trainer.py", "examples/progress.py"}
+    scripts = {f"{d}/{f}" for d in ("bench", "examples")
+               for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")}
+    assert scripts - covered == set()
+
+
+# The GPU benches' CPU-runnable parts (they measure CUDA only).
+GPU_PARTS = r"""
+import torch
+import gpu, gpu_optim, gpu_profile  # imports, and the names they take from benchutil
+import roundpipe
+from benchutil import PHASES, Llama, instrument, lm_loss
+assert gpu.SECTIONS[0] == "machine" and callable(gpu.roundpipe_step)
+assert gpu_optim.proc_status("VmRSS") > 0
+instrument()  # the internal methods it wraps still exist
+torch.manual_seed(0)
+model = Llama(64, 64, 2, 2, 96)
+x = torch.randint(0, 64, (4, 8))
+pipe = roundpipe.compile(model, (x,), devices=["cpu"] * 2, optim_dtype=torch.float32)
+for kind in ("torch", "rp", "rp-fused", "rp-bf16"):
+    opt = gpu_optim.make_optimizer(kind, pipe.optim_parameters())
+    pipe.forward_backward(input_args=(x,), label=x, loss_fn=lm_loss)
+    pipe.step(lambda: (opt.step(), opt.zero_grad()))
+pipe.close()
+assert PHASES["RoundPipe._finish"] and PHASES["ModelState.publish"], sorted(PHASES)
+print("gpu parts ok")
+"""
+
+
+@pytest.mark.parametrize("script", ["bench/gpu.py", "bench/gpu_optim.py"])
+def test_gpu_bench_help_and_no_cuda_exit(runner, script, tmp_path):
+    _check(runner, script, ["--help"], "usage:", tmp_path)
+    import torch
+    if not torch.cuda.is_available():
+        _check(runner, script, [], "skipped, no CUDA device", tmp_path)
+
+
+def test_gpu_bench_cpu_parts(runner, tmp_path):
+    _check(runner, "bench/gpu.py", [], "gpu parts ok", tmp_path, code=GPU_PARTS)
+
+
+# Examples not run by tests/test_example.py, with tiny sizes through their own arguments.
+EXAMPLES = [
+    ("examples/train_data_parallel.py", ["--steps", "3", "--devices", "2"],
+     "1 replica(s) x 2 device(s): 3 steps"),
+    ("examples/plot_schedule.py", ["--devices", "2", "--layers", "2", "--out", "s.png",
+                                   "--trace", "t.json"], "chart: s.png"),
+]
+
+
+@pytest.mark.parametrize("script, args, expect", EXAMPLES, ids=[s for s, _, _ in EXAMPLES])
+def test_example_runs_with_tiny_sizes(runner, script, args, expect, tmp_path):
+    if script == "examples/plot_schedule.py":
+        pytest.importorskip("matplotlib", reason='needs the plot extra: pip install -e ".[plot]"')
+    _check(runner, script, args, expect, tmp_path)
