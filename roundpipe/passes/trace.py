@@ -275,6 +275,9 @@ def refuse_unrunnable_example(model: torch.nn.Module, args: tuple[Any, ...],
     own exception (``original`` too)."""
     kept = list(model.named_buffers()) + tensor_attributes(model)
     saved = {n: t.detach().clone() for n, t in kept}
+    # on copies of the inputs: a model that writes its input in place (refused later,
+    # with its own message) must not write the caller's tensors here
+    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (tuple(args), dict(kwargs)))
     try:
         # (a real call: hooks that keep its activations are not tracing's concern)
         with torch.random.fork_rng(devices=[]), hooks_unwatched():
