@@ -1,10 +1,10 @@
 """Convergence on real text: does a pipe with one-step-stale (asynchronous) steps train
 like plain PyTorch?
 
-    python bench/convergence.py                      # 1,500 steps, four runs
+    python bench/convergence.py                      # 1,500 steps, seven runs
     python bench/convergence.py --steps 20 --eval-every 10   # a smoke run
 
-At the defaults a step takes 8-12 s on two (shared) CPU cores, 6.4 s of CPU time: the four
+At the defaults a step takes 8-12 s on two (shared) CPU cores, 6.4 s of CPU time: the seven
 runs of 1,500 steps take most of a day there; ``--runs`` runs some of them.
 
 Data: the Python standard library's own source files (``sysconfig``'s stdlib path, without
@@ -16,10 +16,13 @@ order, AdamW with warmup and cosine decay, gradients clipped to 1.0:
 
 * ``eager``: plain PyTorch;
 * ``exact``: roundpipe, ``step(is_async=False)``, one virtual CPU device;
-* ``async``: roundpipe, ``step(is_async=True)`` (each call uses the weights from before the
-  previous step), one device;
+* ``async``: roundpipe, ``step(is_async=True)`` with ``predict_weights=False`` (each call
+  uses the weights from before the previous step), one device;
 * ``async4``: the same on four virtual CPU devices; with ``num_microbatch`` fixed it must
   be bitwise equal to ``async`` (checked and printed);
+* ``predict``: ``step(is_async=True)`` with weight prediction (the default: each call uses
+  ``W_{k-1} + (W_{k-1} - W_{k-2})``), one device;
+* ``warm``: ``predict`` after ``--warm-steps`` exact steps (``async_after``);
 * ``stale``: plain PyTorch again, each gradient taken at the weights from before the
   previous step (the schedule ``async`` follows, without roundpipe): tells what the
   staleness costs from what roundpipe would add.
@@ -55,7 +58,7 @@ from roundpipe import RoundPipeRunConfig  # noqa: E402
 from train_gpt import GPT  # noqa: E402
 from benchutil import add_smoke_flag, apply_smoke  # noqa: E402
 
-RUNS = ("eager", "exact", "async", "async4", "stale")
+RUNS = ("eager", "exact", "async", "async4", "stale", "predict", "warm")
 
 
 def corpus(holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -124,7 +127,9 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
     else:
         pipe = roundpipe.RoundPipe(model, devices=["cpu"] * (4 if run == "async4" else 1),
                                    optim_dtype=torch.float32,
-                                   model_run_config=RoundPipeRunConfig(num_microbatch=mb))
+                                   model_run_config=RoundPipeRunConfig(num_microbatch=mb),
+                                   predict_weights=run in ("predict", "warm"),
+                                   async_after=args.warm_steps if run == "warm" else 0)
         params = pipe.optim_parameters()
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     probe = GPT(256, d=args.d, layers=args.layers, heads=args.heads, max_len=args.seq)
@@ -200,7 +205,8 @@ def plot(results: dict[str, dict], path: str, args: argparse.Namespace) -> None:
         print(f'matplotlib is missing (pip install -e ".[plot]"): no {path}')
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    styles = {"eager": "-", "exact": "--", "async": "-", "async4": ":", "stale": "-."}
+    styles = {"eager": "-", "exact": "--", "async": "-", "async4": ":", "stale": "-.",
+              "predict": "-", "warm": "--"}
     for run, result in results.items():
         steps, losses = zip(*result["curve"])
         ax.plot(steps, losses, styles[run], label=f"{run} ({losses[-1]:.4f})")
@@ -229,6 +235,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--val-sequences", type=int, default=128)
     parser.add_argument("--runs", default=",".join(RUNS), help="which runs, in order")
+    parser.add_argument("--warm-steps", type=int, default=100,
+                        help="exact steps before the asynchronous ones of the warm run")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async4-steps", type=int, default=None,

@@ -158,6 +158,17 @@ class RoundPipe:
             always report their allocator's peak).  It watches every op on the devices'
             threads, which slows small ops (see ``docs/architecture.md``).  Default:
             ``ROUNDPIPE_MEASURE_MEMORY=1`` in the environment, else off.
+        predict_weights: with ``step(fn, is_async=True)`` and ``optim_dtype``, the call
+            that overlaps step ``k`` computes with the prediction
+            ``W_{k-1} + (W_{k-1} - W_{k-2})`` of the step's result instead of the stale
+            ``W_{k-1}`` (the masters and the
+            optimizer state stay exact; one more host copy of the masters, counted in
+            ``host_memory().prediction``).  Default ``True``; ``False``: the plain
+            one-step-stale schedule.  No effect on exact steps.
+        async_after: run the first ``async_after`` steps exact even when asked for
+            ``is_async=True`` (an exact warm start, where the weights move fastest),
+            then asynchronous ones; the last exact step keeps its masters, so the first
+            asynchronous one already predicts.  Default 0.
 
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.
@@ -187,6 +198,8 @@ class RoundPipe:
         compile_units: bool | str = False,
         landing_buffers: int | str = "auto",
         measure_memory: bool | None = None,
+        predict_weights: bool = True,
+        async_after: int = 0,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -232,6 +245,16 @@ class RoundPipe:
                               f"{landing_buffers!r}")
         self.num_stages = num_stages
         self.seed = torch.initial_seed() if seed is None else int(seed)
+        if not isinstance(predict_weights, bool):
+            raise ConfigError(f"predict_weights must be True or False, got "
+                              f"{predict_weights!r}")
+        if isinstance(async_after, bool) or not isinstance(async_after, int) \
+                or async_after < 0:
+            raise ConfigError(f"async_after must be an int >= 0 (the number of exact "
+                              f"steps before asynchronous ones), got {async_after!r}")
+        self.predict_weights = predict_weights
+        self.async_after = async_after
+        self._steps = 0  # steps taken (async_after counts them; saved in checkpoints)
         self._dp = DataParallel.create(data_parallel)
         if self._dp is not None:  # replicas start from rank 0's weights and dropout seed
             self.seed = self._dp.broadcast_initial_state(model, self.seed)
@@ -298,7 +321,8 @@ class RoundPipe:
 
     def host_step_estimate(self, optimizer: torch.optim.Optimizer | None = None
                            ) -> HostStepEstimate:
-        """The host's share of a training step (landing, optimizer update, publish),
+        """The host's share of an asynchronous training step (landing, optimizer update,
+        publish, with the weight prediction where ``predict_weights``),
         estimated from the bytes it moves per parameter and the host's memory bandwidth
         (measured once per process), beside the plan's device time per step.
         ``optimizer``: the one ``step_fn`` runs (default: a ``roundpipe.optim``
@@ -316,7 +340,8 @@ class RoundPipe:
         master_bytes = (named[0][1].element_size() if named and self._state.has_masters
                         else None)
         return host_step.estimate(optimizer, params, model_bytes, master_bytes,
-                                  self._current.plan.est_step_time_s)
+                                  self._current.plan.est_step_time_s,
+                                  predict=self.predict_weights)
 
     @property
     def plans(self) -> tuple[StagePlan, ...]:
@@ -911,11 +936,15 @@ class RoundPipe:
 
         By default (``is_async=False``) the step is exact: the weights are updated before
         ``step`` returns, so training equals eager PyTorch's.  With ``is_async=True`` the
-        next call overlaps the step and uses the weights from before it (one step old), as
-        in the seeds' reference system: faster where the host step is exposed, but each
-        gradient is taken at stale weights (``docs/guide.md`` gives the cost in
-        convergence).  Without ``optim_dtype`` (no separate masters) the next call waits
-        for the step either way.
+        next call overlaps the step and so cannot use its result: it computes with the
+        predicted weights ``W_{k-1} + (W_{k-1} - W_{k-2})`` (``predict_weights``, the
+        default), or with the weights from before the step (one step old) when
+        prediction is off.
+        Either way each gradient is taken at inexact weights (``docs/guide.md`` gives the
+        cost in convergence); the masters, the optimizer state, checkpoints and the
+        weights after :meth:`synchronize` are exact.  The first ``async_after`` steps
+        are exact whatever ``is_async`` says.  Without ``optim_dtype`` (no separate
+        masters) the next call waits for the step either way.
         """
         def on_enqueue(version: int) -> None:
             for hook in self._step_hooks:
@@ -929,7 +958,14 @@ class RoundPipe:
                 return step_fn()
 
         current.called(self)
-        self._optimizer.step(for_this_pipe, is_async=is_async, on_enqueue=on_enqueue)
+        warm = is_async and self._steps < self.async_after
+        # The last exact warm-up step keeps its starting masters: the first
+        # asynchronous step then predicts from its update.
+        record = warm and self.predict_weights and self._steps == self.async_after - 1
+        is_async = is_async and not warm
+        self._optimizer.step(for_this_pipe, is_async=is_async, on_enqueue=on_enqueue,
+                             predict=self.predict_weights, record=record)
+        self._steps += 1
         if not is_async:
             for hook in self._sync_hooks:
                 hook()
@@ -988,18 +1024,23 @@ class RoundPipe:
         Waits for a pending step but does not publish it, so taking a checkpoint does not
         change the run.  What an exact resume also needs travels in the state dict's
         ``_metadata["roundpipe"]`` (kept by ``torch.save`` and ignored by plain models):
-        the call counter and seed of the dropout streams, and, while the asynchronous
-        schedule has the weights one step behind the masters, those weights.
+        the call counter and seed of the dropout streams, the step count
+        (``async_after``), while the asynchronous schedule has the weights differ from the
+        masters, those weights, and the masters kept for the weight prediction.
         """
         self._optimizer.wait()
         sd = self.model.state_dict()
-        meta: dict[str, Any] = {"version": 1, "calls": self._calls, "seed": self.seed}
+        meta: dict[str, Any] = {"version": 1, "calls": self._calls, "seed": self.seed,
+                                "steps": self._steps}
         if self._state.has_masters:
             masters = self._state.masters()
             canonical = {id(p): n for n, p in self.model.named_parameters()}
             if self._state.dirty:
                 meta["published"] = {n: self.model.get_parameter(n).detach().clone()
                                      for n in masters}
+            previous = self._state.previous_masters()
+            if previous:
+                meta["previous"] = {n: t.clone() for n, t in previous.items()}
             for name, param in self.model.named_parameters(remove_duplicate=False):
                 master = masters.get(canonical[id(param)])
                 if master is not None:
@@ -1022,9 +1063,12 @@ class RoundPipe:
             meta = (getattr(state_dict, "_metadata", None) or {}).get("roundpipe") or {}
             self._calls = int(meta.get("calls", self._calls))
             self.seed = int(meta.get("seed", self.seed))
+            self._steps = int(meta.get("steps", self._steps))
+            self._state.load_previous(meta.get("previous"))
             published = meta.get("published")
             if published and self._state.has_masters:
-                # The weights were one step behind the masters: restore exactly that.
+                # The weights differed from the masters (one step behind, or
+                # predicted): restore exactly that.
                 with torch.no_grad():
                     for name, value in published.items():
                         self.model.get_parameter(name).copy_(value)
@@ -1072,6 +1116,7 @@ class RoundPipe:
             return host_memory(
                 list(self.model.parameters()) + list(self.model.buffers()),
                 [m for _, m in named] if state.has_masters else [],
+                state.all_previous(),
                 [raw_grad(m) for _, m in named], optimizer, self._landing.tensors(), constants,
                 sum(p.numel() for p in trainable), devices)
 

@@ -2,10 +2,11 @@
 
 ``save_checkpoint(path, pipe, optimizer, scaler)`` writes one file with the pipe's state
 dict (masters, buffers, the dropout streams' counters and, under the asynchronous
-schedule, the weights one step behind the masters), the optimizer's and the GradScaler's
-state; ``load_checkpoint`` restores them so training continues bit for bit as if it had
-never stopped.  Files are read with ``torch.load(weights_only=True)``: a checkpoint from
-an untrusted source cannot execute code, it fails to load.
+schedule, the weights the next call uses and the masters kept to predict them), the
+optimizer's and the GradScaler's state; ``load_checkpoint`` restores them so training
+continues bit for bit as if it had never stopped.  Files are read with
+``torch.load(weights_only=True)``: a checkpoint from an untrusted source cannot execute
+code, it fails to load.
 
 A save is atomic: it writes a temporary file beside the target, flushes it to disk and
 renames it into place, so a crash or a kill during the write leaves the previous

@@ -6,11 +6,12 @@ Layout of ``path/``::
     roundpipe.pt                   the rest (format, names, scaler, extra, optimizer
                                    hyper-parameters), torch.save, read weights_only
 
-Keys: ``model.<state dict key>``, ``published.<parameter>`` (the weights one step behind
-the masters under the asynchronous schedule) and ``optimizer.<parameter>.<state key>``;
-optimizer state is stored by parameter *name*, not index, so any optimizer over the same
-parameters loads it (a plain one, or ``ZeroRedundancyOptimizer`` over any number of
-replicas).
+Keys: ``model.<state dict key>``, ``published.<parameter>`` (the weights the next call
+uses under the asynchronous schedule: one step behind the masters, or predicted),
+``previous.<parameter>`` (the masters kept for the weight prediction) and
+``optimizer.<parameter>.<state key>``; optimizer state is stored by parameter *name*, not
+index, so any optimizer over the same parameters loads it (a plain one, or
+``ZeroRedundancyOptimizer`` over any number of replicas).
 
 Data parallel: every replica calls :func:`save_sharded`; each writes only what it owns.
 Replicated tensors (the model, a plain optimizer's state) carry the same keys on every
@@ -102,6 +103,7 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
     metadata = dict(getattr(sd, "_metadata", {}) or {})
     rp = dict(metadata.pop("roundpipe", {}) or {})
     published = rp.pop("published", None) or {}
+    previous = rp.pop("previous", None) or {}  # kept masters (weight prediction)
     params = {n for n, _ in pipe.model.named_parameters(remove_duplicate=False)}
     tensors: dict[str, torch.Tensor] = {}
     live: set[str] = set()
@@ -122,10 +124,13 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
             other[key] = value
     for name, value in published.items():
         tensors["published." + name] = value  # already a copy
+    for name, value in previous.items():
+        tensors["previous." + name] = value  # already a copy
     meta: dict[str, Any] = {
         "format": FORMAT, "model_keys": list(sd.keys()), "model_other": other,
         "model_aliases": aliases,
         "model_metadata": metadata, "roundpipe": rp, "published": sorted(published),
+        "previous": sorted(previous),
         "scaler": scaler.state_dict() if scaler is not None else None, "extra": extra,
         "optimizer": None,
     }
@@ -381,13 +386,16 @@ def model_state(path: str, meta: dict[str, Any]) -> collections.OrderedDict:
     aliases = meta.get("model_aliases", {})  # absent before tied weights were written once
     tensor_keys = [k for k in meta["model_keys"] if k not in other and k not in aliases]
     read = read_tensors(path, ["model." + k for k in tensor_keys]
-                        + ["published." + n for n in meta["published"]])
+                        + ["published." + n for n in meta["published"]]
+                        + ["previous." + n for n in meta.get("previous", ())])
     sd: collections.OrderedDict = collections.OrderedDict(
         (k, other[k] if k in other else read["model." + aliases.get(k, k)])
         for k in meta["model_keys"])
     rp = dict(meta["roundpipe"])
     if meta["published"]:
         rp["published"] = {n: read["published." + n] for n in meta["published"]}
+    if meta.get("previous"):  # absent before weight prediction
+        rp["previous"] = {n: read["previous." + n] for n in meta["previous"]}
     sd._metadata = {**meta["model_metadata"], "roundpipe": rp}  # type: ignore[attr-defined]
     return sd
 

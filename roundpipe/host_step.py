@@ -56,12 +56,15 @@ def _states(optimizer: Any) -> tuple[int, str]:
     return 2, name + " (taken as 2 state tensors per parameter)"
 
 
-def bytes_per_param(optimizer: Any, model_bytes: int, master_bytes: int | None) -> float:
+def bytes_per_param(optimizer: Any, model_bytes: int, master_bytes: int | None,
+                    predict: bool = False) -> float:
     """Host bytes read and written per trainable parameter per step.
 
     ``model_bytes``: the model's element size (2 for bf16); ``master_bytes``: the
     masters' (4 for fp32), None without masters (the optimizer updates the model's
-    parameters, nothing is published)."""
+    parameters, nothing is published).  ``predict``: the publish predicts the weights
+    (``predict_weights``): it reads the kept masters, then refreshes them from the
+    masters (3 master-sized passes more)."""
     # roundpipe.optim's optimizers say so with a class attribute: the core does not
     # import roundpipe.optim (tests/test_layering.py)
     reads_landed = getattr(type(optimizer), "reads_landed_grads", False) is True
@@ -77,14 +80,16 @@ def bytes_per_param(optimizer: Any, model_bytes: int, master_bytes: int | None) 
         landing, grad = model_bytes + master, master
     update = grad + 2 * master + 2 * state * n_states
     publish = master + model_bytes if master_bytes is not None else 0
+    if predict and master_bytes is not None:
+        publish += 3 * master
     return float(landing + update + publish)
 
 
 def estimate(optimizer: Any, params: int, model_bytes: int, master_bytes: int | None,
-             device_seconds: float) -> HostStepEstimate:
+             device_seconds: float, predict: bool = False) -> HostStepEstimate:
     """The host step of ``optimizer`` (None: torch's AdamW, assumed) on ``params``
     trainable parameters, beside the devices' ``device_seconds`` per step."""
-    bpp = bytes_per_param(optimizer, model_bytes, master_bytes)
+    bpp = bytes_per_param(optimizer, model_bytes, master_bytes, predict)
     _, name = _states(optimizer)
     if type(optimizer).__module__.startswith("roundpipe.optim"):
         name = f"roundpipe.optim.{name}"

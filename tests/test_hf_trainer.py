@@ -313,16 +313,18 @@ def _resume_run(out: str, checkpoint: str | None) -> RoundPipeTrainer:
     trainer = _RecordingTrainer(
         model=_model(dropout=0.1),
         args=_args(out, save_strategy="steps", save_steps=3, gradient_accumulation_steps=2),
-        train_dataset=_rows(), pipe_options=PIPE, async_step=True)
+        train_dataset=_rows(), pipe_options={**PIPE, "async_after": 2}, async_step=True)
     trainer.train(resume_from_checkpoint=checkpoint)
     return trainer
 
 
 def test_resume_from_a_checkpoint_in_a_fresh_process_is_bitwise(tmp_path):
-    """Asynchronous steps, dropout, accumulation: 6 steps in one go, and steps 4-6 again in
-    another process from the checkpoint of step 3: the same losses and weights, bit for
-    bit."""
+    """Asynchronous steps (two exact ones first, then predicted weights), dropout,
+    accumulation: 6 steps in one go, and steps 4-6 again in another process from the
+    checkpoint of step 3: the same losses and weights, bit for bit."""
     whole = _resume_run(str(tmp_path / "whole"), None)
+    assert whole.pipe.predict_weights and whole.pipe.async_after == 2
+    assert whole.pipe.host_memory().prediction > 0  # the steps predicted
     # Each asynchronous step ran with the learning rate of its own time, though the
     # scheduler had moved on when it ran.
     assert whole.used_lr == _logged(whole, "learning_rate")

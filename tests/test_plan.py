@@ -279,6 +279,9 @@ def test_host_step_estimate_counts_the_bytes_of_each_configuration():
     ]
     for opt, model_bytes, master_bytes, expected in cases:
         assert bytes_per_param(opt, model_bytes, master_bytes) == expected, opt
+        # The weight prediction reads the kept masters and refreshes them.
+        assert bytes_per_param(opt, model_bytes, master_bytes, predict=True) == \
+            expected + (3 * master_bytes if master_bytes else 0), opt
 
 
 def test_plan_summary_gives_the_host_step_beside_the_device_time():
@@ -287,7 +290,7 @@ def test_plan_summary_gives_the_host_step_beside_the_device_time():
     model, args, kwargs = models.gpt(layers=2)
     loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
     with RoundPipe(model.to(torch.bfloat16), devices=["cpu"] * 2,
-                   optim_dtype=torch.float32) as pipe:
+                   optim_dtype=torch.float32, predict_weights=False) as pipe:
         pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=loss_fn)
         assumed = pipe.plan.host_step
         assert assumed.assumed and assumed.bytes_per_param == 40
@@ -302,6 +305,8 @@ def test_plan_summary_gives_the_host_step_beside_the_device_time():
         assert "host step" in str(pipe.plan) and str(bound) in pipe.plan.summary()
         assert pipe.plan.to_dict()["host_step"]["bytes_per_param"] == 32
         assert pipe.plan is pipe.plan  # one object until the plan or optimizer changes
+        pipe.predict_weights = True  # the weight prediction's 3 fp32 passes on top
+        assert pipe.host_step_estimate().bytes_per_param == 32 + 12
         del opt
     slow = HostStepEstimate("AdamW", False, 10**9, 40, 20e9, 2.0, 1.0)
     fast = HostStepEstimate("AdamW", False, 10**9, 40, 20e9, 2.0, 3.0)

@@ -152,14 +152,16 @@ def test_synchronous_steps_equal_eager_training(kind, optim_dtype):
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_async_steps_follow_the_one_step_delayed_schedule(kind):
-    """Call i computes its gradient at the weights published before step i-1's update:
-    w_pub(i) = w_{i-1}; masters follow w_{i+1} = w_i - update(g_i)."""
+    """Without weight prediction, call i computes its gradient at the weights published
+    before step i-1's update: w_pub(i) = w_{i-1}; masters follow w_{i+1} = w_i -
+    update(g_i)."""
     published = _mlp()                      # what uploads read
     masters = copy.deepcopy(published)     # what the optimizer updates
     opt_e = _make_opt(kind, masters.parameters())
     dirty = False
     pipe = RoundPipe(_mlp(), devices=["cpu"] * 2, optim_dtype=torch.float32,
-                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3),
+                     predict_weights=False)
     opt_p = _make_opt(kind, pipe.optim_parameters())
     for step in range(5):
         x, y = _data(step)

@@ -38,8 +38,10 @@ class RoundPipeTrainerMixin:
             ``optim_dtype``, ...) and :class:`~roundpipe.RoundPipeRunConfig`'s fields
             (``num_microbatch``, ...).
         async_step: ``False`` (the default): exact steps, the same losses as plain
-            ``Trainer``; ``True``: each step overlaps the next call, which uses the
-            weights from before the step (one step old).
+            ``Trainer``; ``True``: each step overlaps the next call, which computes with
+            a prediction of the step's result (``pipe_options={"predict_weights":
+            False}``: with the weights from before the step, one step old).
+            ``pipe_options={"async_after": N}`` keeps the first ``N`` steps exact.
     """
 
     pipe: RoundPipe

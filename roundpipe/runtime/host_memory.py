@@ -20,7 +20,8 @@ from tabulate import tabulate
 from ..errors import ConfigError
 
 #: Categories in the order they claim shared storages.
-CATEGORIES = ("weights", "masters", "gradients", "optimizer_state", "landing", "constants")
+CATEGORIES = ("weights", "masters", "prediction", "gradients", "optimizer_state", "landing",
+              "constants")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class HostMemory:
         weights: the model's parameters and buffers (what uploads read).
         masters: the full-precision copies the optimizer updates (``optim_dtype``); 0
             when the masters are the parameters themselves.
+        prediction: the masters kept from the last step's start to predict the weights
+            of asynchronous steps (``predict_weights``): one more copy of the masters
+            once an asynchronous step (or the last ``async_after`` exact one) ran, else 0.
         gradients: the masters' ``.grad`` (the parameters' without masters).
         optimizer_state: the state tensors of the optimizer passed to
             ``host_memory(optimizer)`` (moments, step counts); 0 without one.
@@ -53,6 +57,7 @@ class HostMemory:
 
     weights: int
     masters: int
+    prediction: int
     gradients: int
     optimizer_state: int
     landing: int
@@ -127,12 +132,13 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
 
 
 def host_memory(weights: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
+                prediction: Sequence[torch.Tensor],
                 gradients: Sequence[torch.Tensor | None],
                 optimizer: torch.optim.Optimizer | None,
                 landing: Sequence[torch.Tensor], constants: Sequence[torch.Tensor],
                 trainable_params: int, devices: Sequence[DeviceCopies] = ()) -> HostMemory:
     sizes, pinned = count_storages({
-        "weights": weights, "masters": masters,
+        "weights": weights, "masters": masters, "prediction": prediction,
         "gradients": [g for g in gradients if g is not None],
         "optimizer_state": optimizer_tensors(optimizer),
         "landing": landing, "constants": constants})

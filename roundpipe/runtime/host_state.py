@@ -94,6 +94,14 @@ class ModelState:
         self.fences = WeightFences()
         self._masters: dict[str, torch.nn.Parameter] = {}
         self._dirty = False  # masters hold updates not yet published to the model weights
+        # Weight prediction (asynchronous steps): the masters as they were when the last
+        # step started (W_{k-2} while the masters hold W_{k-1}), kept once a step asks;
+        # _history: they are the start of the step that made the masters, so the masters
+        # minus them is that step's update; _predicted: the model weights hold a
+        # prediction, not the masters.
+        self._previous: dict[str, torch.Tensor] = {}
+        self._history = False
+        self._predicted = False
         self._lock = threading.Lock()
         self._params = dict(model.named_parameters())
         # Publish order: groups of parameter names, one per layer unit of the program in
@@ -137,15 +145,29 @@ class ModelState:
 
     @property
     def dirty(self) -> bool:
-        """Whether the masters hold a step the model weights do not have yet."""
-        return self._dirty
+        """Whether the model weights differ from the masters: the masters hold a step not
+        published yet, or the weights hold a prediction."""
+        return self._dirty or self._predicted
 
-    def publish(self, version: int) -> None:
-        """Copy masters into the model weights group by group, opening their fences."""
+    def publish(self, version: int, *, at_step: bool = False, predict: bool = False,
+                record: bool = False) -> None:
+        """Copy masters into the model weights group by group, opening their fences.
+
+        ``at_step``: the publish that starts a step (the masters hold the last step's
+        result).  ``predict``: publish ``M + (M - P)`` instead of the masters ``M``, where
+        ``P`` are the masters at the last step's start (a weight prediction for the
+        call that overlaps this step; without such a ``P`` the masters are published).
+        ``record``: keep ``P`` for the next step even when not predicting (an exact step
+        before asynchronous ones).  Once kept, ``P`` is refreshed at every step.
+        """
         with self._lock:
-            if not (self.has_masters and self._dirty):
+            keep = self.has_masters and at_step and (
+                predict or record or bool(self._previous))
+            extrapolate = keep and predict and self._history
+            if not (self.has_masters and (self.dirty or extrapolate or keep)):
                 self.fences.publish_all(version)
                 return
+            write = self.dirty or extrapolate
             done: set[str] = set()
             with torch.no_grad():
                 for group in self.publish_groups + [tuple(self._masters)]:
@@ -156,19 +178,65 @@ class ModelState:
                         self.fences.record("publish_begin", name, version)
                         master = self._masters.get(name)
                         if master is not None:
-                            self._params[name].copy_(master)
+                            self._publish_one(name, master, write, keep, extrapolate)
                         self.fences.record("publish_end", name, version)
                     done.update(group)
                     self.fences.publish(group, version)
             self._dirty = False
+            self._predicted = extrapolate
+            self._history = self._history or keep
             self.fences.publish_all(version)
 
-    def reset_masters_to_weights(self) -> None:
-        """Make the masters equal the published weights (after a failed step)."""
+    def _publish_one(self, name: str, master: torch.Tensor, write: bool, keep: bool,
+                     extrapolate: bool) -> None:
+        param = self._params[name]
+        previous = self._previous.get(name) if keep else None
+        if keep and previous is None:  # first kept step (or a master made since)
+            self._previous[name] = master.detach().clone()
+            keep = extrapolate = False
+        if extrapolate:
+            # M + (M - P) computed in the masters' dtype and cast on the store, written
+            # straight into the weight (lerp with weight 2), then P := M: the publish
+            # reads P and writes it once more, no temporary.
+            torch.lerp(previous, master, 2.0, out=param)
+        elif write:
+            param.copy_(master)
+        if keep:
+            previous.copy_(master)
+
+    def restore_masters(self) -> None:
+        """After a failed step: make the masters what they were when it started (the
+        masters kept at its start where it kept them, else the published weights).  The
+        weights are left alone (the next call may be reading them); where they hold a
+        prediction, the next publish writes the masters."""
         with self._lock, torch.no_grad():
             for name, master in self._masters.items():
-                master.copy_(self._params[name])
+                kept = self._previous.get(name) if self._history else None
+                master.copy_(self._params[name] if kept is None else kept)
             self._dirty = False
+
+    def previous_masters(self) -> dict[str, torch.Tensor]:
+        """The masters kept from the last step's start (weight prediction), by name."""
+        return dict(self._previous) if self._history else {}
+
+    def all_previous(self) -> list[torch.Tensor]:
+        """Every kept tensor, for host-memory accounting."""
+        return list(self._previous.values())
+
+    def load_previous(self, values: Mapping[str, torch.Tensor] | None) -> None:
+        """Set the kept masters from a checkpoint (None: no history)."""
+        with torch.no_grad():
+            if not values:
+                self._history = False
+                return
+            for name, value in values.items():
+                if name in self._masters or (self.has_masters and name in self._params):
+                    master = self.master(name)
+                    kept = self._previous.get(name)
+                    if kept is None:
+                        kept = self._previous[name] = torch.empty_like(master.detach())
+                    kept.copy_(value)
+            self._history = True
 
     def load_masters(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set masters from ``values`` exactly (their weights follow at the next publish)."""

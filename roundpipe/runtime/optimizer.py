@@ -7,7 +7,9 @@ Order of work for one ``step(fn)`` on the optimizer thread:
 2. run ``fn`` (the user's optimizer step, on the masters).
 
 So with ``is_async=True`` the call that follows ``step(i)`` uses the weights from before
-step ``i``: one step old, as in the seeds' reference system.  ``synchronize()`` waits and
+step ``i``: one step old, as in the seeds' reference system.  With ``predict=True`` the
+publish writes the prediction ``W_{i-1} + (W_{i-1} - W_{i-2})`` of step ``i``'s result
+instead (``ModelState.publish``), the masters staying exact.  ``synchronize()`` waits and
 publishes, making the weights current; ``is_async=False`` is ``step`` + ``synchronize``.
 Without separate masters (``optim_dtype=None``) ``fn`` writes the model weights directly,
 so the fences stay closed until ``fn`` returns and the next call waits for it.
@@ -59,9 +61,13 @@ class OptimizerWorker:
         return getattr(self._local, "version", None)
 
     def step(self, fn: Callable[[], Any], is_async: bool = True,
-             on_enqueue: Callable[[int], None] | None = None) -> None:
+             on_enqueue: Callable[[int], None] | None = None, predict: bool = False,
+             record: bool = False) -> None:
         """Enqueue ``fn``; ``on_enqueue(version)`` runs once the step is sure to be
-        enqueued and before it can start (GradScaler keys its scale by the version)."""
+        enqueued and before it can start (GradScaler keys its scale by the version).
+        ``predict`` (asynchronous steps): the overlapping call computes with predicted
+        weights; ``record``: keep this step's starting masters for a prediction by the
+        next step (see ``ModelState.publish``)."""
         if not callable(fn):
             raise StepError(f"step_fn must be callable, got {type(fn).__name__}")
         if self.on_worker:
@@ -72,7 +78,9 @@ class OptimizerWorker:
         if on_enqueue is not None:
             on_enqueue(version)
         checked = _Verdict()
-        self._pending.append(self._executor.submit(self._run, fn, version, checked))
+        publish = {"predict": predict and is_async, "record": record}
+        self._pending.append(self._executor.submit(self._run, fn, version, checked,
+                                                   publish))
         if not is_async:
             self.synchronize()
         elif not self._checked:
@@ -82,12 +90,12 @@ class OptimizerWorker:
             if checked.misbuilt:
                 self.wait()  # raises it; other failures are reported as before, later
 
-    def _run(self, fn: Callable[[], Any], version: int, checked: _Verdict | None = None
-             ) -> None:
+    def _run(self, fn: Callable[[], Any], version: int, checked: _Verdict | None = None,
+             publish: dict[str, bool] | None = None) -> None:
         host = self.host
         checked = checked or _Verdict()
         if host.has_masters:
-            host.publish(version)
+            host.publish(version, at_step=True, **(publish or {}))
         self._local.inside, self._local.version = True, version
         try:
             with watching(host, on_pass=lambda: self._passed(checked)):
@@ -96,9 +104,9 @@ class OptimizerWorker:
         except BaseException as e:
             checked.misbuilt = isinstance(e, MisbuiltOptimizerError)
             if host.has_masters:
-                # The model weights still hold the last published version; make the
-                # masters agree so no half-applied update survives.
-                host.reset_masters_to_weights()
+                # Make the masters what they were when the step started, so no
+                # half-applied update survives.
+                host.restore_masters()
             raise
         finally:
             self._local.inside, self._local.version = False, None
