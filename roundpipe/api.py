@@ -1039,8 +1039,8 @@ class RoundPipe:
                 meta["published"] = {n: self.model.get_parameter(n).detach().clone()
                                      for n in masters}
             previous = self._state.previous_masters()
-            if previous:
-                meta["previous"] = {n: t.clone() for n, t in previous.items()}
+            if previous:  # live, as the masters are: only a step changes them
+                meta["previous"] = {n: t.detach() for n, t in previous.items()}
             for name, param in self.model.named_parameters(remove_duplicate=False):
                 master = masters.get(canonical[id(param)])
                 if master is not None:

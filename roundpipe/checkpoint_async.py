@@ -97,8 +97,9 @@ def _copy(obj: Any) -> Any:
         out = type(obj)()
         for k, v in obj.items():
             out[k] = _copy(v)
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        if hasattr(obj, "_metadata"):  # copied too: it may hold live tensors (the
+            # masters kept for the weight prediction)
+            out._metadata = _copy(obj._metadata)  # type: ignore[attr-defined]
         return out
     if isinstance(obj, (list, tuple)):
         return type(obj)(_copy(v) for v in obj)

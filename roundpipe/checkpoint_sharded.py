@@ -124,8 +124,9 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
             other[key] = value
     for name, value in published.items():
         tensors["published." + name] = value  # already a copy
-    for name, value in previous.items():
-        tensors["previous." + name] = value  # already a copy
+    for name, value in previous.items():  # live, as the masters: only a step changes them
+        tensors["previous." + name] = value
+        live.add("previous." + name)
     meta: dict[str, Any] = {
         "format": FORMAT, "model_keys": list(sd.keys()), "model_other": other,
         "model_aliases": aliases,
