@@ -97,7 +97,8 @@ def roundpipe_step(model: nn.Module, batch: int, seq: int, vocab: int, num_mb: i
     t0 = time.perf_counter()
     pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32, pin_memory=pin_memory,
                              compile_units=compile_units, devices=devices,
-                             model_run_config=RoundPipeRunConfig(num_microbatch=num_mb))
+                             model_run_config=RoundPipeRunConfig(num_microbatch=num_mb),
+                             predict_weights=False)  # as recorded: before prediction
     compile_s = time.perf_counter() - t0  # tracing, planning and pinning
     opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-4)
 

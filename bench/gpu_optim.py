@@ -86,7 +86,8 @@ def run_one(kind: str, shape: tuple[int, int, int, int], args, peak_tflops: floa
     y = torch.randint(0, vocab, (args.batch, args.seq))
     pipe = roundpipe.compile(model, (x,), optim_dtype=torch.float32,
                              landing_buffers=args.landing_buffers,
-                             model_run_config=RoundPipeRunConfig(num_microbatch=args.mb))
+                             model_run_config=RoundPipeRunConfig(num_microbatch=args.mb),
+                             predict_weights=False)  # as recorded: before prediction
     opt = make_optimizer(kind, pipe.optim_parameters())
     build_s = time.perf_counter() - t0
     fb = lambda: pipe.forward_backward(input_args=(x,), label=y, loss_fn=lm_loss)  # noqa
