@@ -248,7 +248,8 @@ def main() -> None:
     add_smoke_flag(parser)
     args = apply_smoke(parser.parse_args(), steps=3, batch=4, seq=32, d=32, layers=1,
                        heads=2, warmup=1, eval_every=2, val_sequences=4,
-                       runs="eager,exact,async", png="", json="")
+                       runs="eager,exact,async,predict,warm", warm_steps=1, png="",
+                       json="")
     runs = [r for r in args.runs.split(",") if r]
     unknown = set(runs) - set(RUNS)
     if unknown:
