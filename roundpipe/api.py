@@ -20,9 +20,9 @@ from .loss import mark_loss_fn_error, returned_loss
 from . import current
 from .compiler import Analysis, PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
-from .errors import (ConfigError, InputError, MergeError, ModelError, RoundPipeError,
-                     StageError, StepError, TraceError, UnknownConfigFieldError,
-                     unknown_options_message)
+from .errors import (ConfigError, InputError, MergeError, ModelError, ParameterHookError,
+                     RoundPipeError, StageError, StepError, TraceError,
+                     UnknownConfigFieldError, unknown_options_message)
 from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
 from .passes.dtype_check import mixed_dtype_op
@@ -914,6 +914,7 @@ class RoundPipe:
                     stash[0], output_grads, grain=cfg.recompute_grain, keys=keys,
                     fence_version=version, autocast=autocast, on_grads=on_grads,
                     hooks=hooks, only=request.only if dp_call is None else None)
+                _refuse_unreached_hooked(entry, request, result)
                 self._optimizer.wait()
                 if dp_call is not None:  # all-reduced across replicas before anything commits
                     dp_call.complete(result, None)
@@ -1314,6 +1315,25 @@ def _plan_key(plan: StagePlan, grain: str) -> tuple:
     shown = next((s.recompute for s in plan.stages if s.kind == "bwd"), grain)
     return plan.memory_cap, plan.num_microbatch, shown
 
+
+
+def _refuse_unreached_hooked(entry: _Compiled, request: GradRequest,
+                             result: RunResult) -> None:
+    """A hooked parameter whose gradient goes to autograd (no masters) but that this
+    backward did not reach (it feeds only outputs the loss ignores): autograd would call
+    its hooks with None, where eager does not call them. Refused before any commit."""
+    missing = [entry.host.specs[s].fqn for s in sorted(request.handed)
+               if not result.param_grads.get(s)]
+    if missing:
+        raise ParameterHookError(
+            f"parameter {missing[0]!r}" + (f" (and {len(missing) - 1} more)"
+                                           if len(missing) > 1 else "")
+            + " has hooks but gets no gradient from this backward through the pipe (it "
+            "feeds only outputs the loss does not use); roundpipe hands a hooked "
+            "parameter's gradient to autograd, which would call its hooks with None, "
+            "where eager PyTorch does not call them. Nothing was committed. Remove those "
+            "hooks for this backward, or use optim_dtype masters (the hooks then run at "
+            "roundpipe's commit, on the parameters that got a gradient)")
 
 
 def _refuse_split_module_backward_hooks(model: torch.nn.Module, microbatches: int) -> None:

@@ -44,10 +44,13 @@ class GradRequest:
             every one).
         commit: the parameter slots whose gradients land in the masters; the others
             computed (``autograd.grad`` returns them) are left in the result.
+        handed: hooked parameter slots whose gradient goes to autograd (no masters):
+            each must get one, or autograd calls its hooks with None.
     """
 
     only: frozenset[str] | None
     commit: frozenset[str] | None
+    handed: frozenset[str] = frozenset()
 
 
 class _ForwardCall(PipelinedCall):
@@ -105,7 +108,7 @@ class _ForwardCall(PipelinedCall):
             request = GradRequest(None, None)  # every gradient, committed, as always
         elif plain:  # every parameter is connected (no masters)
             request = GradRequest(None, frozenset(s for s, _ in self.params
-                                                  if s not in handed))
+                                                  if s not in handed), self.handed)
         else:
             # With masters, a parameter left unconnected (it has hooks of its own) is
             # committed by a plain backward() only: the engine cannot say whether one
@@ -114,7 +117,8 @@ class _ForwardCall(PipelinedCall):
                 only=frozenset([name for (name, _), t in zip(self.grad_inputs, inputs)
                                 if t is not GradTarget.NONE] + list(asked)),
                 commit=frozenset(s for s, t in asked.items()
-                                 if t is GradTarget.FLOWS and s not in handed))
+                                 if t is GradTarget.FLOWS and s not in handed),
+                handed=self.handed)
         return self._run_backward(output_grads, request)
 
     def input_grads(self, result: RunResult, targets: Sequence[GradTarget]

@@ -174,3 +174,37 @@ def test_hooked_parameter_gets_one_backward_through_pipe_calls(devices, case):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.aux = nn.Linear(6, 6)  # read only by the second output
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return h, self.aux(x)
+
+
+def test_hooked_parameter_the_backward_does_not_reach_is_refused_not_called_with_none():
+    """Without masters a hooked parameter is connected to the pipelined call and its
+    gradient handed to autograd; where this backward computes none for it (it only
+    feeds an output the loss ignores), autograd would call its hooks with None after
+    the other gradients were committed, where eager does not call them. Refused, with
+    nothing committed."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x, y = data()
+    calls: list[object] = []
+    model.aux.weight.register_hook(lambda g: calls.append(g))
+    model.blocks[0].weight.register_hook(lambda g: calls.append(g))
+    pipe = RoundPipe(model, devices=["cpu"] * 3,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    out, _ = pipe(x)
+    with pytest.raises(ParameterHookError, match="aux.weight"):
+        loss_fn(out, y).backward()
+    assert calls == []
+    assert all(p.grad is None for p in model.parameters())
