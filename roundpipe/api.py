@@ -36,6 +36,7 @@ from .runtime.pinning import PIN_MODES, pin_host_state, unpin
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.grad_landing import LANDING_BUFFERS, GradLanding
 from .runtime.grad_norm import clip_grad_norm_
+from .runtime import optimizer_check
 from .runtime.masters import raw_grad
 from .runtime.host_memory import DeviceCopies, HostMemory, host_memory
 from .runtime.host_state import HostState, ModelState
@@ -260,6 +261,8 @@ class RoundPipe:
             self.seed = self._dp.broadcast_initial_state(model, self.seed)
         self.device_model = device_model or DeviceModel.for_device(self.devices[0].torch_device)
         self._state = ModelState(model, optim_dtype)
+        if self._state.has_masters:
+            optimizer_check.watch_outside_steps(self._state)
         self._optimizer = OptimizerWorker(self._state)
         self._compiled: list[_Compiled] = []
         # Gradient download buffers, shared by every program's executor (see Executor).
@@ -1149,6 +1152,7 @@ class RoundPipe:
             for device in self.devices:
                 device.close()
             unpin(self._state)
+            optimizer_check.unwatch_outside_steps(self._state)
 
     def __enter__(self) -> RoundPipe:
         return self

@@ -210,3 +210,54 @@ def test_a_step_fn_waiting_inside_its_first_step_does_not_block_the_caller_forev
     resumed.set()  # reached only if pipe.step returned before the step ended
     pipe.synchronize()
     pipe.close()
+
+
+# --- a plain PyTorch loop: opt.step() outside pipe.step -------------------------------------
+
+def _plain_loop_pipe():
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    return RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+
+
+@pytest.mark.parametrize("over", ["masters", "model_parameters"])
+def test_an_optimizer_stepped_outside_pipe_step_is_refused(over: str) -> None:
+    """forward_backward then opt.step() with no pipe.step: the masters would move and the
+    weights the next call uploads would not, so the loss stayed the same step after step
+    (exit 0). Refused before the optimizer writes anything."""
+    import torch.nn.functional as F
+
+    x = torch.randn(6, 4)
+    with _plain_loop_pipe() as pipe:
+        params = pipe.optim_parameters() if over == "masters" else pipe.model.parameters()
+        opt = torch.optim.SGD(params, lr=0.5)
+        pipe.forward_backward(input_args=(x,), label=x, loss_fn=F.mse_loss)
+        masters = [m.detach().clone() for m in pipe.optim_parameters()]
+        weights = [p.detach().clone() for p in pipe.model.parameters()]
+        with pytest.raises(OptimizerError, match=r"outside pipe.step.*pipe.step\(lambda"):
+            opt.step()
+        for a, b in zip(pipe.optim_parameters(), masters):
+            assert torch.equal(a, b)
+        for a, b in zip(pipe.model.parameters(), weights):
+            assert torch.equal(a, b)
+        # the same optimizer inside pipe.step trains
+        if over == "masters":
+            pipe.step(lambda: (opt.step(), opt.zero_grad()))
+            assert any(not torch.equal(a, b) for a, b in zip(pipe.model.parameters(), weights))
+    # once the pipe is closed, its tensors are the user's again
+    opt.step()
+
+
+def test_unrelated_optimizers_outside_pipe_step_are_not_refused() -> None:
+    import torch.nn as nn
+
+    with _plain_loop_pipe():
+        other = nn.Linear(3, 3)
+        other(torch.randn(2, 3)).sum().backward()
+        before = other.weight.detach().clone()
+        opt = torch.optim.SGD(other.parameters(), lr=0.1)
+        opt.step()
+        assert not torch.equal(other.weight, before)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -27,6 +28,10 @@ from .masters import owner_of, raw_grad
 _local = threading.local()
 _hook_lock = threading.Lock()
 _hook: Any = None  # the global pre-hook's handle, registered once per process
+# Open pipes with masters: an optimizer over their masters (or over the model parameters
+# the masters stand in for) stepped outside pipe.step would update nothing that the next
+# call reads, silently (a plain PyTorch loop: forward_backward, opt.step(), no pipe.step).
+_open_with_masters: "weakref.WeakSet[ModelState]" = weakref.WeakSet()
 
 
 class MisbuiltOptimizerError(OptimizerError):
@@ -135,6 +140,42 @@ def _pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     watch = getattr(_local, "watch", None)
     if watch is not None:
         watch.check(optimizer)
+    elif _open_with_masters:
+        _refuse_outside_step(optimizer)
+
+
+def _refuse_outside_step(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer over an open pipe's masters (or the parameters they stand for)
+    stepping outside ``pipe.step``: refused before it writes anything."""
+    held = {id(p) for group in getattr(optimizer, "param_groups", None) or []
+            for p in group.get("params", ()) if isinstance(p, torch.Tensor)}
+    if not held:
+        return
+    for state in list(_open_with_masters):
+        named = state.named_masters()
+        if any(id(t) in held for _, t in named) or any(
+                id(state.model.get_parameter(n)) in held for n, _ in named):
+            name = _optimizer_name(optimizer)
+            raise OptimizerError(
+                f"{name}.step() ran outside pipe.step (not in a step_fn), over a pipe "
+                "whose gradients and "
+                "update go to master copies (optim_dtype): the masters would change but "
+                "the model's weights, which the next call uploads, would not, so training "
+                "would silently stand still. Nothing was changed. Step inside the pipe: "
+                "pipe.step(lambda: (opt.step(), opt.zero_grad())) after "
+                "pipe.forward_backward(...), with the optimizer built over "
+                "pipe.optim_parameters()")
+
+
+def watch_outside_steps(state: ModelState) -> None:
+    """From now until :func:`unwatch_outside_steps`, refuse an optimizer over ``state``'s
+    masters that steps outside ``pipe.step`` (called for pipes with masters)."""
+    _ensure_hook()
+    _open_with_masters.add(state)
+
+
+def unwatch_outside_steps(state: ModelState) -> None:
+    _open_with_masters.discard(state)
 
 
 def _ensure_hook() -> None:
