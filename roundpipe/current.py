@@ -10,18 +10,17 @@ import threading
 import weakref
 from typing import Any, Iterator
 
+from .ops.thread_flag import ThreadFlag
+
 _local = threading.local()
+_running = ThreadFlag(None)
 
 
 @contextlib.contextmanager
 def running(pipe: Any) -> Iterator[None]:
     """Code in this block runs for ``pipe`` (its ``loss_fn`` or ``step_fn``)."""
-    previous = getattr(_local, "running", None)
-    _local.running = pipe
-    try:
+    with _running.set(pipe):
         yield
-    finally:
-        _local.running = previous
 
 
 def called(pipe: Any) -> None:
@@ -30,7 +29,7 @@ def called(pipe: Any) -> None:
 
 
 def current_pipe() -> Any:
-    pipe = getattr(_local, "running", None)
+    pipe = _running.get()
     if pipe is not None:
         return pipe
     last = getattr(_local, "last", None)

@@ -4,12 +4,13 @@ export's leaf modules)."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import types
 from typing import Any, Iterator
 
 import torch
 import torch.utils._pytree as pytree
+
+from .thread_flag import ThreadFlag
 
 from .hooks import registers_hooks, skipping_graphless_hooks
 
@@ -37,7 +38,7 @@ def call_module_functional(module: torch.nn.Module, state: dict[str, torch.Tenso
     return _twin(module, state)(*args, **kwargs)
 
 
-_REHEARSAL = threading.local()
+_REHEARSAL = ThreadFlag()
 
 # Module hooks that only a backward runs: a rehearsal's backward (the memory model's
 # replay on fake tensors) must not call them, since eager never runs that backward.
@@ -49,16 +50,12 @@ def rehearsal() -> Iterator[None]:
     """Opaque modules called in this thread meanwhile run without their module backward
     hooks: the compiler's fake-tensor rehearsals of a job (``passes/memory.py``) run
     backwards that eager never runs, and a user's hook must see only eager's calls."""
-    before = getattr(_REHEARSAL, "on", False)
-    _REHEARSAL.on = True
-    try:
+    with _REHEARSAL.set(True):
         yield
-    finally:
-        _REHEARSAL.on = before
 
 
 def _twin(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    quiet = getattr(_REHEARSAL, "on", False)
+    quiet = _REHEARSAL.get()
     twins: dict[int, torch.nn.Module] = {}  # a submodule reached twice is one twin
     by_path: dict[str, torch.nn.Module] = {}
 

@@ -22,7 +22,6 @@ import contextlib
 import gc
 import os
 import sys
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -31,6 +30,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+
+from ..ops.thread_flag import ThreadFlag
 
 _TABLES = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"))
 
@@ -75,24 +76,20 @@ def _name(fn: Any) -> str:
     return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
-_real_run = threading.local()
+_real_run = ThreadFlag()
 
 
 @contextlib.contextmanager
 def hooks_unwatched() -> Iterator[None]:
     """Inside, on this thread, watched hooks run as the user's own: a real eager run of
     the model (not a trace) keeps what the user's hooks keep, as any eager call would."""
-    previous = getattr(_real_run, "active", False)
-    _real_run.active = True
-    try:
+    with _real_run.set(True):
         yield
-    finally:
-        _real_run.active = previous
 
 
 def _watched(fn: Callable, found: KeptActivation, suspects: list) -> Callable:
     def hook(*call: Any) -> Any:
-        if getattr(_real_run, "active", False):
+        if _real_run.get():
             return fn(*call)
         given = [t for t in pytree.tree_leaves(call[1:]) if isinstance(t, torch.Tensor)]
         if any(isinstance(x, torch.fx.Proxy) for x in pytree.tree_leaves(call[1:])):
