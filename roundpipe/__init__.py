@@ -39,8 +39,7 @@ def _backend_entry_point_installed() -> bool:
 
 if not _cli_help_only():  # (the package's contents; the command line imports them itself)
     from .api import RoundPipe, compile
-    from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from .safetensors_export import export_weights
+    from .checkpoint import CheckpointError, export_weights, load_checkpoint, save_checkpoint
     from .config import RoundPipeRunConfig
     from .grad_scaler import GradScaler
     from .errors import (ConfigError, InputError, LossError, MergeError, ModelError,

@@ -1096,7 +1096,7 @@ class RoundPipe:
         """
         if hasattr(self.model, "save_pretrained"):
             return self.__getattr__("save_pretrained")(save_directory, **kwargs)
-        from .safetensors_export import save_pretrained
+        from .checkpoint.export import save_pretrained
         return save_pretrained(self, save_directory, **kwargs)
 
     def host_memory(self, optimizer: torch.optim.Optimizer | None = None) -> HostMemory:

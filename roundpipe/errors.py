@@ -106,6 +106,10 @@ class HostOutOfMemoryError(RoundPipeError, MemoryError):
     """The host could not allocate what roundpipe needs (an optimizer's state, say)."""
 
 
+class CheckpointError(RoundPipeError, ValueError):
+    """A checkpoint file cannot be used (not one of ours, or unsafe to load)."""
+
+
 class DataParallelError(RoundPipeError, RuntimeError):
     """Replicas could not combine their gradients (a collective failed or timed out, or
     the replicas do not run the same program); the group is unusable afterwards, except
@@ -144,6 +148,7 @@ __all__ = [
     "StepError",
     "OutOfMemoryError",
     "HostOutOfMemoryError",
+    "CheckpointError",
     "DataParallelError",
     "ReplicaError",
 ]

@@ -270,7 +270,7 @@ def subgroup_save(rank: int, world: int, path: str) -> dict[str, Any]:
 def failed_save(rank: int, world: int, path: str) -> dict[str, Any]:
     """Rank 0 cannot write roundpipe.pt (a full disk) during a sharded save: every replica
     raises at once (not after the group's timeout), and a second save succeeds."""
-    import roundpipe.checkpoint_sharded as cs
+    import roundpipe.checkpoint.sharded as cs
     pipe = replica(rank, 1, reduction="sum", bucket_bytes="16KiB", timeout_s=20)
     opt = make_optimizer("adamw", pipe.optim_parameters())
     train(pipe, opt, [0], rank, world, models.lm_loss, is_async=True)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from roundpipe.checkpoint import write_atomically
+from roundpipe.checkpoint.atomic import write_atomically
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -47,7 +47,7 @@ def test_unexpected_keys_are_named():
     pipe, _ = _pipe([4, 4, 4])
     with pytest.raises(CheckpointError, match=r"unexpected keys: 2 of its tensors are not "
                                               r"the model's \('2.weight', '2.bias'\)"):
-        from roundpipe.checkpoint import check_model_state
+        from roundpipe.checkpoint.save_load import check_model_state
         check_model_state(saved.state_dict(), pipe, "x.pt")
     saved.close()
     pipe.close()

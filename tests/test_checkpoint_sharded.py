@@ -14,7 +14,7 @@ import torch
 import models
 from roundpipe import (CheckpointError, GradScaler, RoundPipe, RoundPipeRunConfig,
                        load_checkpoint, save_checkpoint)
-from roundpipe import checkpoint_sharded
+from roundpipe.checkpoint import sharded as checkpoint_sharded
 
 
 def _setup(devices: int):
@@ -98,7 +98,7 @@ def test_an_async_single_file_save_and_a_second_save_waits_for_the_first(tmp_pat
     pipe, opt, scaler = _setup(1)
     _train(pipe, opt, scaler, range(1))
     gate = threading.Event()
-    import roundpipe.checkpoint as ck
+    import roundpipe.checkpoint.save_load as ck
     real = ck._write_file
     monkeypatch.setattr(ck, "_write_file", lambda p, s: (gate.wait(30), real(p, s)))
     first = save_checkpoint(tmp_path / "a.pt", pipe, opt, asynchronous=True)
@@ -174,7 +174,7 @@ def test_forged_dcp_metadata_or_bytes_items_are_refused_not_run(tmp_path):
     # Metadata that points at a file outside the directory.
     save_checkpoint(tmp_path / "ck", pipe, opt, sharded=True)
     import torch.distributed.checkpoint as dcp
-    from roundpipe.checkpoint_safe_dcp import SafeFileSystemReader
+    from roundpipe.checkpoint.safe_dcp import SafeFileSystemReader
     metadata = SafeFileSystemReader(str(tmp_path / "ck")).read_metadata()
     for info in metadata.storage_data.values():
         info.relative_path = "../elsewhere.distcp"
@@ -190,7 +190,7 @@ def test_forged_dcp_metadata_or_bytes_items_are_refused_not_run(tmp_path):
     # Past that check, DCP's own planner would unpickle a byte item: ours refuses.
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from roundpipe.checkpoint_safe_dcp import TensorOnlyLoadPlanner
+    from roundpipe.checkpoint.safe_dcp import TensorOnlyLoadPlanner
     with pytest.raises(CheckpointException) as info:
         dcp.load({"model.lm_head.bias.x": torch.zeros(1)},
                  storage_reader=SafeFileSystemReader(str(tmp_path / "bytes")),
@@ -276,7 +276,7 @@ def test_an_async_save_in_flight_cannot_be_cancelled(tmp_path, monkeypatch):
     pipe, opt, scaler = _setup(1)
     _train(pipe, opt, scaler, range(1))
     gate = threading.Event()
-    import roundpipe.checkpoint as ck
+    import roundpipe.checkpoint.save_load as ck
     real = ck._write_file
     monkeypatch.setattr(ck, "_write_file", lambda p, s: (gate.wait(30), real(p, s)))
     future = save_checkpoint(tmp_path / "a.pt", pipe, opt, asynchronous=True)

@@ -16,9 +16,16 @@ ROOT = pathlib.Path(roundpipe.__file__).parent
 
 def _imports(path: pathlib.Path) -> set[str]:
     """Absolute module names ``path`` imports (relative imports resolved)."""
-    package = ".".join(("roundpipe",) + path.relative_to(ROOT).parent.parts)
+    return _resolve(ast.walk(ast.parse(path.read_text(encoding="utf-8"))), _package_of(path))
+
+
+def _package_of(path: pathlib.Path) -> str:
+    return ".".join(("roundpipe",) + path.relative_to(ROOT).parent.parts)
+
+
+def _resolve(nodes, package: str) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -35,6 +42,40 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 def _package(name: str) -> list[pathlib.Path]:
     return sorted((ROOT / name).glob("*.py"))
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _statements(body: list[ast.stmt], *, into_functions: bool) -> list[ast.stmt]:
+    """The statements that run (``into_functions=False``: when the module is imported),
+    leaving out ``if TYPE_CHECKING:`` blocks, which never run."""
+    found: list[ast.stmt] = []
+    for node in body:
+        if _is_type_checking(node):
+            found += _statements(node.orelse, into_functions=into_functions)
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not into_functions:
+            continue
+        found.append(node)
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            inner = getattr(node, field, None)
+            if isinstance(inner, list):
+                found += _statements([n for n in inner if isinstance(n, (ast.stmt,
+                                                                          ast.excepthandler))],
+                                     into_functions=into_functions)
+    return found
+
+
+def _run_time_imports(source: str, package: str, *, module_level: bool) -> set[str]:
+    """Modules imported when the code runs: at import time only (``module_level``), or
+    anywhere; never those under ``if TYPE_CHECKING:``."""
+    body = ast.parse(source).body
+    return _resolve(_statements(body, into_functions=not module_level), package)
 
 
 @pytest.mark.parametrize("inner, forbidden", [
@@ -68,6 +109,54 @@ def test_the_import_resolver_sees_relative_imports():
     """The check above can fail: it resolves ``from ..runtime import x``."""
     found = _imports(ROOT / "passes" / "codegen.py")
     assert "roundpipe.plan" in found or any(m.startswith("roundpipe.plan") for m in found)
+
+
+# --- the checkpoint package and the API do not import each other at import time ---------
+
+def test_the_checkpoint_code_is_one_package():
+    """Saving, loading, sharding, asynchronous saves, safe DCP reading and the safetensors
+    export live in ``roundpipe/checkpoint/``, not beside the API."""
+    assert {p.name for p in _package("checkpoint")} >= {
+        "__init__.py", "save_load.py", "sharded.py", "asynchronous.py", "safe_dcp.py",
+        "atomic.py", "export.py"}
+    strays = sorted(p.name for p in ROOT.glob("*.py")
+                    if p.name.startswith(("checkpoint", "safetensors")))
+    assert strays == []
+
+
+def test_the_api_imports_the_checkpoint_package_only_where_a_method_delegates():
+    found = _run_time_imports((ROOT / "api.py").read_text(encoding="utf-8"), "roundpipe",
+                              module_level=True)
+    assert sorted(m for m in found if m.startswith("roundpipe.checkpoint")) == []
+    anywhere = _run_time_imports((ROOT / "api.py").read_text(encoding="utf-8"),
+                                 "roundpipe", module_level=False)
+    assert "roundpipe.checkpoint.export" in anywhere  # save_pretrained: found when lazy
+
+
+def test_the_checkpoint_package_imports_the_api_for_annotations_only():
+    files = _package("checkpoint")
+    assert files
+    offenders = {p.name: sorted(m for m in _run_time_imports(
+                     p.read_text(encoding="utf-8"), _package_of(p), module_level=False)
+                     if m == "roundpipe.api" or m.startswith("roundpipe.api."))
+                 for p in files}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_import_time_check_can_fail():
+    source = ("from typing import TYPE_CHECKING\n"
+              "from .checkpoint import save_checkpoint\n"
+              "if TYPE_CHECKING:\n    from .api import RoundPipe\nelse:\n    import os\n"
+              "try:\n    from . import plan\nexcept ImportError:\n    from . import errors\n"
+              "class C:\n    from . import config\n"
+              "    def m(self):\n        from .checkpoint.export import save_pretrained\n")
+    at_import = _run_time_imports(source, "roundpipe", module_level=True)
+    assert {"roundpipe.checkpoint", "roundpipe.plan", "roundpipe.errors", "roundpipe.config",
+            "os"} <= at_import
+    assert "roundpipe.api" not in at_import
+    assert "roundpipe.checkpoint.export" not in at_import
+    anywhere = _run_time_imports(source, "roundpipe", module_level=False)
+    assert "roundpipe.checkpoint.export" in anywhere and "roundpipe.api" not in anywhere
 
 
 # --- the core does not import the optimizers or the Trainer integration ---------------------

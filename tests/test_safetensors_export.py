@@ -67,7 +67,7 @@ def test_a_checkpoints_weights_export_without_its_optimizer_state(tmp_path, monk
     save_checkpoint(tmp_path / "ck", pipe, opt, sharded=True)
     masters = dict(pipe.optim_named_parameters())
     pipe.close()
-    from roundpipe import checkpoint_sharded
+    from roundpipe.checkpoint import sharded as checkpoint_sharded
     real = checkpoint_sharded.read_tensors
 
     def model_only(path, keys):

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .checkpoint import CheckpointError
+from ..errors import CheckpointError
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {

@@ -41,12 +41,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .checkpoint import (CheckpointError, _alive, _fsync_directory, check_model_state,
-                         write_atomically)
+from ..errors import CheckpointError
+from .atomic import alive, fsync_directory, write_atomically
+from .save_load import check_model_state
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import RoundPipe
-    from .grad_scaler import GradScaler
+    from ..api import RoundPipe
+    from ..grad_scaler import GradScaler
 
 log = logging.getLogger(__name__)
 # One process without a group is a use we intend, not a mistake worth a warning per save.
@@ -232,7 +233,7 @@ def write(path: str, collected: Collected, group: Any,
         def finish() -> None:
             write_atomically(os.path.join(temp_dir, META_FILE),
                              lambda f: torch.save(collected.meta, f))
-            _fsync_directory(temp_dir)
+            fsync_directory(temp_dir)
             _swap_in(temp_dir, path)
         # Every replica returns once the new directory is in place, or raises rank 0's error.
         _on_rank_0(group, rank, f"write {META_FILE} and move the checkpoint into {path!r}",
@@ -294,7 +295,7 @@ def _swap_in(temp_dir: str, path: str) -> None:
         _WRITING.add(aside)
         os.replace(path, aside)
     os.replace(temp_dir, path)
-    _fsync_directory(directory)
+    fsync_directory(directory)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
         _WRITING.discard(aside)
@@ -314,7 +315,7 @@ def _sides(directory: str, name: str) -> list[tuple[str, int]]:
 def _remove_stale(directory: str, name: str) -> None:
     """Delete what killed saves left beside ``name`` (``name`` itself is whole now)."""
     for side, pid in _sides(directory, name):
-        if side in _WRITING or (pid != os.getpid() and _alive(pid)):
+        if side in _WRITING or (pid != os.getpid() and alive(pid)):
             continue
         if os.path.isdir(side):
             shutil.rmtree(side, ignore_errors=True)
@@ -363,7 +364,7 @@ def read_tensors(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .checkpoint_safe_dcp import SafeFileSystemReader, TensorOnlyLoadPlanner
+    from .safe_dcp import SafeFileSystemReader, TensorOnlyLoadPlanner
 
     reader = SafeFileSystemReader(path)
     stored = reader.read_metadata().state_dict_metadata

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import RoundPipe
-    from .checkpoint_sharded import Collected
+    from ..api import RoundPipe
+    from .sharded import Collected
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class _StagingPool:
 def save_sharded_async(path: str, pipe: RoundPipe, collected: Collected, group: Any,
                        max_snapshot_bytes: int | None) -> CheckpointSave:
     """Capture ``collected`` (see the module's docstring) and write it in the background."""
-    from .checkpoint_sharded import write
+    from .sharded import write
 
     tensors = dict(collected.tensors)
     # roundpipe.pt is written after the tensors: its data (the extra, the optimizer's

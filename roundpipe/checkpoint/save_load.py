@@ -8,38 +8,31 @@ continues bit for bit as if it had never stopped.  Files are read with
 ``torch.load(weights_only=True)``: a checkpoint from an untrusted source cannot execute
 code, it fails to load.
 
-A save is atomic: it writes a temporary file beside the target, flushes it to disk and
-renames it into place, so a crash or a kill during the write leaves the previous
-checkpoint whole; temporary files of killed saves are removed by the next save.
+A save is atomic (``atomic.py``): it writes a temporary file beside the target, flushes
+it to disk and renames it into place, so a crash or a kill during the write leaves the
+previous checkpoint whole; temporary files of killed saves are removed by the next save.
 
 ``sharded=True`` writes a directory through ``torch.distributed.checkpoint`` instead
-(``checkpoint_sharded``: every data-parallel replica writes its own part, and a load
-reshards); ``asynchronous=True`` writes in the background (``checkpoint_async``).
+(``sharded.py``: every data-parallel replica writes its own part, and a load
+reshards); ``asynchronous=True`` writes in the background (``asynchronous.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import RoundPipeError
+from ..errors import CheckpointError
+from .atomic import write_atomically
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import RoundPipe
-    from .checkpoint_async import CheckpointSave
-    from .grad_scaler import GradScaler
+    from ..api import RoundPipe
+    from ..grad_scaler import GradScaler
+    from .asynchronous import CheckpointSave
 
-_FORMAT = "roundpipe-checkpoint-1"
-_WRITING: set[str] = set()  # temporary files this process is writing now
-
-
-class CheckpointError(RoundPipeError, ValueError):
-    """A checkpoint file cannot be used (not one of ours, or unsafe to load)."""
+FORMAT = "roundpipe-checkpoint-1"
 
 
 def save_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
@@ -58,13 +51,13 @@ def save_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
             ``path`` is an existing directory.  Under data parallelism every replica
             calls it (collective) and writes only what it owns.
         asynchronous: capture the state now and write it in the background; returns a
-            :class:`~roundpipe.checkpoint_async.CheckpointSave` future.  A later save or
+            :class:`~roundpipe.checkpoint.CheckpointSave` future.  A later save or
             load waits for it.
         max_snapshot_bytes: cap on the host memory an asynchronous sharded save copies;
             the masters and optimizer state beyond it are copied one tensor at a time
             while the write holds the optimizer thread (the next ``step_fn`` waits).
     """
-    from .checkpoint_async import save_file_async, wait_for_saves
+    from .asynchronous import save_file_async, wait_for_saves
     wait_for_saves()  # one save at a time
     path = os.fspath(path)
     if sharded is None:
@@ -75,16 +68,16 @@ def save_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
             "save (one file cannot be written in pieces): pass sharded=True, "
             "asynchronous=True")
     if sharded:
-        from . import checkpoint_sharded
-        group = checkpoint_sharded.checkpoint_group(pipe)
-        collected = checkpoint_sharded.collect(pipe, optimizer, scaler, extra, group)
+        from . import sharded as sharded_dir
+        group = sharded_dir.checkpoint_group(pipe)
+        collected = sharded_dir.collect(pipe, optimizer, scaler, extra, group)
         if asynchronous:
-            from .checkpoint_async import save_sharded_async
+            from .asynchronous import save_sharded_async
             return save_sharded_async(path, pipe, collected, group, max_snapshot_bytes)
-        checkpoint_sharded.write(path, collected, group)
+        sharded_dir.write(path, collected, group)
         return None
     state = {
-        "format": _FORMAT,
+        "format": FORMAT,
         "model": pipe.state_dict(),  # waits for a pending step first
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
@@ -100,65 +93,6 @@ def _write_file(path: str, state: dict[str, Any]) -> None:
     write_atomically(path, lambda f: torch.save(state, f))
 
 
-def write_atomically(path: str, write: Any) -> None:
-    """``write(file)`` into a temporary file beside ``path``, flushed to disk, then
-    renamed over ``path``: readers see the old file or the new one, never a part."""
-    # realpath: a link to the checkpoint stays a link, its target is replaced
-    directory, name = os.path.split(os.path.realpath(path))
-    path = os.path.join(directory, name)
-    temp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    _WRITING.add(temp)
-    try:
-        with open(temp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    finally:
-        _WRITING.discard(temp)
-    _fsync_directory(directory)  # the rename itself survives a power loss
-    _remove_stale_temporaries(directory, name)
-
-
-def _fsync_directory(directory: str) -> None:
-    with contextlib.suppress(OSError):  # not every platform opens directories
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _remove_stale_temporaries(directory: str, name: str) -> None:
-    """Delete temporary files of earlier saves to ``name`` whose process is gone (a
-    save killed mid-write); a save still running in another process keeps its file."""
-    pattern = re.compile(rf"\.{re.escape(name)}\.tmp-(\d+)-[0-9a-f]{{8}}$")
-    for entry in os.listdir(directory):
-        match = pattern.match(entry)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        path = os.path.join(directory, entry)
-        if path in _WRITING or (pid != os.getpid() and _alive(pid)):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
 def load_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
                     optimizer: torch.optim.Optimizer | None = None,
                     scaler: GradScaler | None = None) -> Any:
@@ -168,16 +102,16 @@ def load_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
     run.  A sharded checkpoint (a directory) loads into any number of replicas and
     devices: each process reads what it needs.
     """
-    from .checkpoint_async import wait_for_saves
+    from .asynchronous import wait_for_saves
     wait_for_saves()
     if os.path.isdir(path) or not os.path.exists(path):
-        from . import checkpoint_sharded
+        from . import sharded as sharded_dir
         try:
-            directory = checkpoint_sharded.resolve(os.fspath(path))
+            directory = sharded_dir.resolve(os.fspath(path))
         except CheckpointError:
             directory = None  # no directory either: the file's error below
         if directory is not None:
-            return checkpoint_sharded.load_sharded(directory, pipe, optimizer, scaler)
+            return sharded_dir.load_sharded(directory, pipe, optimizer, scaler)
         if not os.path.exists(path):
             raise CheckpointError(f"no such file: {os.fspath(path)!r} (nor a sharded "
                                   "checkpoint directory); check the path")
@@ -188,9 +122,9 @@ def load_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
             f"cannot load {os.fspath(path)!r} as a checkpoint with weights_only=True "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); roundpipe "
             "never unpickles arbitrary objects: save it with roundpipe.save_checkpoint") from e
-    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{os.fspath(path)!r} is not a roundpipe checkpoint "
-                              f"(expected format {_FORMAT!r})")
+                              f"(expected format {FORMAT!r})")
     # Before any change, the model's tensors first: another model's checkpoint is named
     # by its keys, not by the optimizer groups that differ with them.
     check_model_state(state.get("model"), pipe, os.fspath(path))

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import _fsync_directory, write_atomically
-from .errors import RoundPipeError
-from .runtime.devices import parse_bytes
+from ..errors import CheckpointError, RoundPipeError
+from ..runtime.devices import parse_bytes
+from .atomic import fsync_directory, write_atomically
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import RoundPipe
+    from ..api import RoundPipe
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def save_sharded(state: dict[str, Any], out_dir: str | os.PathLike[str],
         if (_SHARD.match(entry) or (entry == WEIGHTS and len(shards) > 1)) \
                 and entry not in names:
             os.unlink(os.path.join(out_dir, entry))
-    _fsync_directory(out_dir)
+    fsync_directory(out_dir)
     return written
 
 
@@ -154,24 +154,22 @@ def export_weights(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLik
     Returns:
         The files written.
     """
-    from . import checkpoint_sharded
-    from .checkpoint import CheckpointError, _FORMAT
-
-    from .checkpoint_async import wait_for_saves
+    from . import sharded
+    from .asynchronous import wait_for_saves
+    from .save_load import FORMAT
     _safetensors()  # fail before reading anything
     wait_for_saves()  # an asynchronous save to this path may still be writing it
     path = os.fspath(checkpoint)
     if os.path.isdir(path) or not os.path.exists(path):
-        directory = checkpoint_sharded.resolve(path)
-        model = checkpoint_sharded.model_state(directory,
-                                               checkpoint_sharded.read_meta(directory))
+        directory = sharded.resolve(path)
+        model = sharded.model_state(directory, sharded.read_meta(directory))
     else:
         try:  # mmap: the optimizer's tensors are never read from disk
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - every unusable file gets the same error
             raise CheckpointError(f"cannot load {path!r} as a checkpoint with "
                                   f"weights_only=True ({type(e).__name__}: {e})") from e
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise CheckpointError(f"{path!r} is not a roundpipe checkpoint")
         model = state["model"]
     if dtype is not None:
