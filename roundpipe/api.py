@@ -934,16 +934,29 @@ class RoundPipe:
         return run_backward
 
     # --- optimizer -----------------------------------------------------------------------
-    def step(self, step_fn: Callable[[], Any], is_async: bool = False) -> None:
+    def step(self, step_fn: Callable[[], Any] | torch.optim.Optimizer,
+             is_async: bool = False) -> None:
         """Run ``step_fn`` (e.g. ``lambda: (opt.step(), opt.zero_grad())``) on the CPU
-        optimizer thread.
+        optimizer thread; or hand the optimizer itself, ``pipe.step(opt)``, which runs
+        ``opt.step()`` then ``opt.zero_grad()``.
 
-        By default (``is_async=False``) the step is exact: the weights are updated before
-        ``step`` returns, so training equals eager PyTorch's.  With ``is_async=True`` the
-        next call overlaps the step and so cannot use its result: it computes with the
-        predicted weights ``W_{k-1} + (W_{k-1} - W_{k-2})`` (``predict_weights``, the
-        default), or with the weights from before the step (one step old) when
-        prediction is off.
+        By default (``is_async=False``) the step is exact: the next call computes with
+        the updated weights, so training equals eager PyTorch's.  ``pipe.step(opt)``
+        with a ``roundpipe.optim`` optimizer over this pipe's masters overlaps the exact
+        step with the next call: it updates the masters unit by unit in the order the
+        next call uploads them and publishes each unit as it is done, so the next call
+        waits only for the units it needs (about 1/S of the update with S stages;
+        ``pipe.step_overlap(opt)`` says whether it applies and why not).  The
+        hyperparameters are the optimizer's when ``step`` is called (a scheduler
+        stepping afterwards changes the next step), and what can fail (gradients,
+        state allocation) runs before ``step`` returns, so a failing step raises here
+        and changes nothing.  A ``step_fn`` is opaque (it may write the masters after
+        the optimizer's step), so ``step`` waits for it whole.
+
+        With ``is_async=True`` the next call overlaps the step and so cannot use its
+        result: it computes with the predicted weights ``W_{k-1} + (W_{k-1} - W_{k-2})``
+        (``predict_weights``, the default), or with the weights from before the step
+        (one step old) when prediction is off.
         Either way each gradient is taken at inexact weights (``docs/guide.md`` gives the
         cost in convergence); the masters, the optimizer state, checkpoints and the
         weights after :meth:`synchronize` are exact.  The first ``async_after`` steps
@@ -954,8 +967,14 @@ class RoundPipe:
             for hook in self._step_hooks:
                 hook(version)
 
+        optimizer = step_fn if isinstance(step_fn, torch.optim.Optimizer) else None
+        if optimizer is not None:
+            def step_fn() -> None:
+                optimizer.step()
+                optimizer.zero_grad()
         if not callable(step_fn):
-            raise StepError(f"step_fn must be callable, got {type(step_fn).__name__}")
+            raise StepError(f"step_fn must be callable (or a torch optimizer), got "
+                            f"{type(step_fn).__name__}")
 
         def for_this_pipe() -> Any:  # a GradScaler made without its pipe finds it
             with current.running(self):
@@ -967,12 +986,49 @@ class RoundPipe:
         # asynchronous step then predicts from its update.
         record = warm and self.predict_weights and self._steps == self.async_after - 1
         is_async = is_async and not warm
+        groups = None
+        if optimizer is not None and not is_async and \
+                self._overlap_blocker(optimizer, record) is None:
+            try:
+                groups = optimizer.frozen_groups()
+            except RoundPipeError:  # bad hyperparameters: the plain path reports them
+                groups = None
+        if groups is not None:
+            if self._optimizer.pending_steps() or self._state.dirty:
+                self._optimizer.synchronize()  # an older step first, whole
+            self._optimizer.step_by_unit(optimizer, groups, on_enqueue=on_enqueue)
+            self._steps += 1
+            return
         self._optimizer.step(for_this_pipe, is_async=is_async, on_enqueue=on_enqueue,
                              predict=self.predict_weights, record=record)
         self._steps += 1
         if not is_async:
             for hook in self._sync_hooks:
                 hook()
+
+    def step_overlap(self, optimizer: torch.optim.Optimizer) -> str:
+        """How an exact ``pipe.step(optimizer)`` runs: ``"per unit"`` (overlapped with
+        the next call, about 1/S of the update exposed) or why the whole update is
+        exposed (the next call waits for all of it)."""
+        blocker = self._overlap_blocker(optimizer, record=False)
+        return "per unit" if blocker is None else f"whole update: {blocker}"
+
+    def _overlap_blocker(self, optimizer: torch.optim.Optimizer, record: bool) -> str | None:
+        """Why an exact ``pipe.step(optimizer)`` cannot publish unit by unit (None: it
+        can)."""
+        if not self._state.has_masters:
+            return ("no separate masters (optim_dtype=None): the optimizer writes the "
+                    "weights the next call reads")
+        if not hasattr(optimizer, "step_frozen"):
+            return (f"{type(optimizer).__name__} steps all its parameters at once; "
+                    "roundpipe.optim's optimizers update unit by unit")
+        if record or self._state.previous_masters():
+            return "weight prediction keeps each step's starting masters (async steps)"
+        if self._sync_hooks:
+            return "a GradScaler is attached to this pipe (use a step_fn with it)"
+        if optimizer_check.has_user_step_hooks(optimizer):
+            return "the optimizer has step hooks, which run around its whole step"
+        return optimizer.unit_step_blocker(self._state.landed)
 
     def synchronize(self) -> None:
         """Wait for the optimizer; afterwards ``.grad`` and the weights are consistent and

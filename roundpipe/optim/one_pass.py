@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import HostOutOfMemoryError, OptimizerError
-from ..runtime.masters import LandedGrads, owner_of, raw_grad, set_raw_grad
+from ..runtime.masters import (LandedGrads, UnitSchedule, owner_of, raw_grad,
+                               set_raw_grad)
 from . import kernels, native
 
 #: the update kernels an optimizer may be asked for (native.py, kernels.py)
@@ -107,22 +108,66 @@ class OnePass:
             with torch.enable_grad():
                 loss = closure()
         groups = self.param_groups  # type: ignore[attr-defined]
-        mine = [[p for p in g["params"] if self._handles(p)] for g in groups]
-        for g, params in zip(groups, mine):
-            if params:
+        for g in groups:
+            if any(self._handles(p) for p in g["params"]):
                 self._check_group(g)
-        for landed in self._landed_bindings():
-            if not landed.on_step_thread():
+        self._step_groups(groups, torch_rest=True)
+        return loss
+
+    def frozen_groups(self) -> list[dict[str, Any]]:
+        """The param groups as they are now (copies, checked), for :meth:`step_frozen`
+        later on another thread: a learning-rate scheduler stepping meanwhile changes
+        the next step, not this one."""
+        groups = [{**g, "params": list(g["params"])}
+                  for g in self.param_groups]  # type: ignore[attr-defined]
+        for g in groups:
+            self._check_group(g)
+        # what torch's step() wrapper records for a learning-rate scheduler (which warns
+        # when it steps before the optimizer did)
+        self._opt_called = True  # type: ignore[attr-defined]
+        return groups
+
+    def unit_step_blocker(self, landed: LandedGrads) -> str | None:
+        """Why :meth:`step_frozen` cannot step this optimizer unit by unit for the pipe
+        whose masters ``landed`` binds (None: it can): every parameter must be one of
+        that pipe's masters, updated by this class's own kernel."""
+        for g in self.param_groups:  # type: ignore[attr-defined]
+            for p in g["params"]:
+                owner = owner_of(p)
+                if owner is None or owner[0] is not landed:
+                    return (f"it also updates a tensor of shape {tuple(p.shape)} that is "
+                            "not one of this pipe's masters")
+                if not self._handles(p):
+                    return f"{owner[1]} ({p.dtype}) is stepped by torch's implementation"
+        return None
+
+    @torch.no_grad()
+    def step_frozen(self, groups: list[dict[str, Any]],
+                    on_prepared: Callable[[], None] | None = None) -> None:
+        """One step with ``groups`` (from :meth:`frozen_groups`), walking the bound
+        pipe's unit schedule.  ``on_prepared()`` runs once every gradient was found and
+        every buffer allocated, before anything is written: after it, only the
+        arithmetic of the update remains."""
+        self._step_groups(groups, torch_rest=False, on_prepared=on_prepared)
+
+    def _step_groups(self, groups: list[dict[str, Any]], *, torch_rest: bool,
+                     on_prepared: Callable[[], None] | None = None) -> None:
+        mine = [[p for p in g["params"] if self._handles(p)] for g in groups]
+        landed = self._landed_bindings()
+        for binding in landed:
+            if not binding.on_step_thread():
                 raise OptimizerError(
                     f"{type(self).__name__}.step() updates a pipe's masters only inside "
                     "the pipe's step_fn, where their weights are published afterwards: "
                     "pipe.step(lambda: (opt.step(), opt.zero_grad()))")
+        schedules = [b.unit_schedule for b in landed if b.unit_schedule is not None]
         # Every gradient is found and checked before anything is written.
         scales: dict[int, tuple[torch.Tensor, ...]] = {}
         work = [[(p, grad) for p in params
                  if (grad := self._grad_of(p, scales)) is not None] for params in mine]
-        self._step_work(groups, work, scales, lambda: self._torch_step_without(mine))
-        return loss
+        rest = (lambda: self._torch_step_without(mine)) if torch_rest else None
+        self._step_work(groups, work, scales, rest, schedules[0] if schedules else None,
+                        on_prepared)
 
     @torch.no_grad()
     def step_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
@@ -141,7 +186,9 @@ class OnePass:
     def _step_work(self, groups: list[dict[str, Any]],
                    work: list[list[tuple[torch.Tensor, torch.Tensor]]],
                    scales: dict[int, tuple[torch.Tensor, ...]],
-                   before_update: Callable[[], None] | None = None) -> None:
+                   before_update: Callable[[], None] | None = None,
+                   schedule: UnitSchedule | None = None,
+                   on_prepared: Callable[[], None] | None = None) -> None:
         # Every buffer is allocated before anything is written: running out of host
         # memory in a later group must not leave earlier groups stepped.
         known = {id(p) for p in self.state}  # type: ignore[attr-defined]
@@ -149,6 +196,8 @@ class OnePass:
         try:  # torch's step on the other parameters (it allocates their state too)
             if before_update is not None:
                 before_update()
+            if on_prepared is not None:
+                on_prepared()
         except BaseException:
             # none of this class's parameters was written: the next step starts the
             # buffers made here afresh (SGD's first step copies the gradient)
@@ -157,9 +206,32 @@ class OnePass:
         self._fresh = frozenset((id(p), key) for p, key in created)
         self._scales = scales
         try:
-            for g, pairs in zip(groups, work):
+            if schedule is None:
+                for g, pairs in zip(groups, work):
+                    if pairs:
+                        self._update_group(g, pairs)
+                return
+            # Unit by unit, in the order the next call uploads them; what is no master
+            # of the schedule's pipe first.  Each element is updated by the same
+            # elementwise kernel as in one pass, so the result is bitwise the same.
+            index, n = schedule.index(), len(schedule.units)
+            split: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = [
+                [[] for _ in work] for _ in range(n + 1)]
+            for gi, pairs in enumerate(work):
+                for p, grad in pairs:
+                    owner = owner_of(p)
+                    k = (index.get(owner[1], n) if owner is not None
+                         and owner[0] is schedule.landed else n)
+                    split[k][gi].append((p, grad))
+            for g, pairs in zip(groups, split[n]):
                 if pairs:
                     self._update_group(g, pairs)
+            for k in range(n):
+                schedule.before_unit(k)
+                for g, pairs in zip(groups, split[k]):
+                    if pairs:
+                        self._update_group(g, pairs)
+                schedule.after_unit(k)
         finally:
             self._scales, self._fresh = {}, frozenset()
 

@@ -23,8 +23,9 @@ from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 
+from ..errors import StepError
 from ..plan import ModelProgram, StateSpec
-from .masters import LandedGrads, Master, raw_grad, set_raw_grad
+from .masters import LandedGrads, Master, UnitSchedule, raw_grad, set_raw_grad
 
 _WAIT_SLICE_S = 0.05
 
@@ -42,6 +43,7 @@ class WeightFences:
         self._published: dict[str, int] = {}
         self._floor = 0  # version every parameter has reached
         self._target = 0
+        self._failed: dict[int, str] = {}  # version -> why it will never be published
         self.events: list[tuple[str, str, int, float]] | None = None  # tests turn this on
 
     @property
@@ -73,14 +75,25 @@ class WeightFences:
             self._floor = max(self._floor, version)
             self._cond.notify_all()
 
+    def fail(self, version: int, why: str) -> None:
+        """``version`` will never be published whole (its step failed part-way): uploads
+        waiting for it raise instead of waiting for ever."""
+        with self._cond:
+            self._failed[version] = why
+            self._cond.notify_all()
+
     def wait(self, names: Iterable[str], version: int,
              abort: threading.Event | None = None) -> bool:
-        """Block until every parameter in ``names`` reached ``version``; False if aborted."""
+        """Block until every parameter in ``names`` reached ``version``; False if aborted.
+        Raises :class:`StepError` if that version's step failed part-way."""
         names = list(names)
         with self._cond:
             while not all(self._version(n) >= version for n in names):
                 if abort is not None and abort.is_set():
                     return False
+                failed = [why for v, why in self._failed.items() if v <= version]
+                if failed:
+                    raise StepError(failed[0])
                 self._cond.wait(_WAIT_SLICE_S)
         return True
 
@@ -186,6 +199,32 @@ class ModelState:
             self._predicted = extrapolate
             self._history = self._history or keep
             self.fences.publish_all(version)
+
+    def publishing_schedule(self, version: int) -> UnitSchedule:
+        """A step that publishes as it goes (an exact step the next call overlaps): after
+        the optimizer updated unit ``k``'s masters, ``after_unit(k)`` copies them into the
+        model weights and opens the unit's fences at ``version``, so the next call's first
+        jobs wait only for their own units.  The caller made sure nothing older is
+        unpublished (``dirty`` is False) and no weight prediction is kept."""
+        groups, seen = [], set()
+        for group in self.publish_groups + [tuple(self._params)]:
+            group = tuple(n for n in group if n not in seen)
+            seen.update(group)
+            if group:
+                groups.append(group)
+        units = [tuple(n for n in g if self._params[n].requires_grad) for g in groups]
+
+        def after_unit(k: int) -> None:
+            with self._lock, torch.no_grad():
+                for name in units[k]:
+                    self.fences.record("publish_begin", name, version)
+                    master = self._masters.get(name)
+                    if master is not None:
+                        self._params[name].copy_(master)
+                    self.fences.record("publish_end", name, version)
+            self.fences.publish(groups[k], version)
+
+        return UnitSchedule(self.landed, units, after_unit=after_unit)
 
     def _publish_one(self, name: str, master: torch.Tensor, write: bool, keep: bool,
                      extrapolate: bool) -> None:

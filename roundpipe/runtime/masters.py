@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -85,6 +85,37 @@ def owner_of(t: torch.Tensor) -> tuple[LandedGrads, str] | None:
     return None if landed is None else (landed, entry[1])
 
 
+class UnitSchedule:
+    """The order in which a step updates a pipe's masters: unit by unit, as the next call
+    uploads them.  ``units``: master names per unit (each once, forward order).  An
+    optimizer that steps unit by unit calls ``before_unit(k)``, updates every master of
+    unit ``k`` (across its groups), then ``after_unit(k)``; ``started`` says whether
+    some unit's update began (a failure before that wrote nothing)."""
+
+    def __init__(self, landed: LandedGrads, units: Sequence[Sequence[str]],
+                 before_unit: Callable[[int], None] | None = None,
+                 after_unit: Callable[[int], None] | None = None) -> None:
+        self.landed = landed
+        self.units = tuple(tuple(u) for u in units)
+        self._before = before_unit
+        self._after = after_unit
+        self.started = False
+        self.finished = 0  # units whose after_unit has run
+
+    def index(self) -> dict[str, int]:
+        return {name: k for k, names in enumerate(self.units) for name in names}
+
+    def before_unit(self, k: int) -> None:
+        self.started = True
+        if self._before is not None:
+            self._before(k)
+
+    def after_unit(self, k: int) -> None:
+        if self._after is not None:
+            self._after(k)
+        self.finished = k + 1
+
+
 class LandedGrads:
     """The low-precision gradients held for bound masters."""
 
@@ -112,6 +143,9 @@ class LandedGrads:
         self.serial = serial if serial is not None else (lambda fn: fn())
         # Whether the calling thread runs a step_fn (where the masters may be updated).
         self.on_step_thread: Callable[[], bool] = lambda: True
+        # Set by the pipe for the length of a step that walks the masters unit by unit
+        # (an optimizer that can updates unit k between the schedule's two calls).
+        self.unit_schedule: UnitSchedule | None = None
 
     # --- binding (the optimizer) ------------------------------------------------------
     def adopt(self, master: Master, name: str) -> None:

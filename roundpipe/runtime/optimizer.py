@@ -115,6 +115,61 @@ class OptimizerWorker:
             checked.event.set()
         host.mark_dirty()
 
+    def step_by_unit(self, optimizer: Any, groups: list[dict[str, Any]],
+                     on_enqueue: Callable[[int], None] | None = None) -> None:
+        """An exact step the next call overlaps: ``optimizer.step_frozen(groups)`` (then
+        ``zero_grad()``) walks the masters unit by unit, each unit published as soon as
+        it is updated (``ModelState.publishing_schedule``), so the next call's uploads
+        wait only for their own units.  Returns once the step is prepared (gradients
+        found, state allocated: what can fail has run), so a failing step raises here
+        and changes nothing.  The caller made sure no older step is pending or
+        unpublished."""
+        if self.on_worker:
+            raise StepError("pipe.step() was called from inside a step_fn; call it from "
+                            "the training loop")
+        self.raise_if_failed()
+        version = self.host.fences.schedule()
+        if on_enqueue is not None:
+            on_enqueue(version)
+        prepared, ready = threading.Event(), []
+
+        def on_prepared() -> None:
+            ready.append(True)
+            prepared.set()
+
+        self._pending.append(self._executor.submit(
+            self._run_by_unit, optimizer, groups, version, prepared, on_prepared))
+        prepared.wait()
+        if not ready:  # it failed while preparing: nothing was written
+            self.wait()
+
+    def _run_by_unit(self, optimizer: Any, groups: list[dict[str, Any]], version: int,
+                     prepared: threading.Event, on_prepared: Callable[[], None]) -> None:
+        host = self.host
+        schedule = host.publishing_schedule(version)
+        host.landed.unit_schedule = schedule
+        self._local.inside, self._local.version = True, version
+        try:
+            optimizer.step_frozen(groups, on_prepared=on_prepared)
+            optimizer.zero_grad()
+            self._checked = True
+        except BaseException as e:
+            if schedule.started:
+                # Not expected (what can fail ran before the first unit): units
+                # 0..finished-1 were published with the new weights; the next call's
+                # uploads of the others raise instead of mixing steps.
+                why = (f"the step failed part-way ({type(e).__name__}: {e}) after "
+                       f"{schedule.finished} of {len(schedule.units)} units were updated "
+                       "and published; the weights mix two steps: load a checkpoint")
+                log.error("roundpipe: %s", why)
+                host.fences.fail(version, why)
+            raise
+        finally:
+            host.landed.unit_schedule = None
+            self._local.inside, self._local.version = False, None
+            prepared.set()
+        host.fences.publish_all(version)
+
     def _passed(self, checked: _Verdict) -> None:
         self._checked = True
         checked.event.set()

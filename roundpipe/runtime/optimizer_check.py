@@ -199,3 +199,14 @@ def watching(state: ModelState, on_pass: Callable[[], None] = lambda: None
         watch.finish()
     finally:
         _local.watch = previous
+
+
+def has_user_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step hooks other than roundpipe's own check run around ``optimizer.step()``
+    (its own, or global ones): a step that bypasses ``step()`` would skip them."""
+    from torch.optim import optimizer as torch_optimizer
+    globals_ = [h for h in (*torch_optimizer._global_optimizer_pre_hooks.values(),
+                            *torch_optimizer._global_optimizer_post_hooks.values())
+                if h is not _pre_hook]
+    return bool(globals_ or optimizer._optimizer_step_pre_hooks
+                or optimizer._optimizer_step_post_hooks)

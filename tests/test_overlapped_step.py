@@ -1,0 +1,188 @@
+"""The exact step the next call overlaps: ``pipe.step(opt)`` with a ``roundpipe.optim``
+optimizer updates and publishes the masters unit by unit, so the next call waits only for
+the units it uploads.  It must be bitwise the plain exact step (``pipe.step(fn)``, which
+the next call waits for whole), on any device count, with clipping, and change nothing
+when it fails."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import roundpipe.optim
+from roundpipe import RoundPipe, RoundPipeRunConfig, StepError
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(5)))
+
+
+def _data(steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g))
+            for _ in range(steps)]
+
+
+def _run(model: nn.Module, devices: int, overlap: bool, *, clip: float | None = None,
+         make_opt=None, schedule: bool = False, events: bool = False):
+    make_opt = make_opt or (lambda ps: roundpipe.optim.AdamW(ps, lr=1e-2,
+                                                              weight_decay=0.1))
+    losses = []
+    with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = make_opt(pipe.optim_parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) \
+            if schedule else None
+        if events:
+            pipe._state.fences.events = []
+        for x, y in _data():
+            losses.append(pipe.forward_backward(
+                input_args=(x.to(torch.bfloat16),), label=y.to(torch.bfloat16),
+                loss_fn=lambda o, t: F.mse_loss(o.float(), t.float())))
+            if clip is not None:
+                pipe.clip_grad_norm_(clip)
+            if overlap:
+                assert pipe.step_overlap(opt) == "per unit"
+                pipe.step(opt)
+            else:
+                pipe.step(lambda: (opt.step(), opt.zero_grad()))
+            if sched is not None:
+                sched.step()  # right after step(): must change the next step only
+        pipe.synchronize()
+        state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        masters = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        fence_events = list(pipe._state.fences.events or [])
+    return losses, weights, masters, state, fence_events
+
+
+def _equal(a, b) -> None:
+    la, wa, ma, sa, _ = a
+    lb, wb, mb, sb, _ = b
+    assert all(torch.equal(x, y) for x, y in zip(la, lb))
+    for d1, d2 in ((wa, wb), (ma, mb), (sa, sb)):
+        assert d1.keys() == d2.keys()
+        for k in d1:
+            assert torch.equal(d1[k], d2[k]), k
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_overlapped_exact_step_is_bitwise_the_plain_exact_step(devices, clip) -> None:
+    base = _model().to(torch.bfloat16)
+    plain = _run(copy.deepcopy(base), devices, overlap=False, clip=clip)
+    overlapped = _run(copy.deepcopy(base), devices, overlap=True, clip=clip)
+    _equal(plain, overlapped)
+    # the run trains: the weights moved
+    assert not torch.equal(plain[1]["0.0.weight"], base.state_dict()["0.0.weight"])
+
+
+def test_overlapped_step_is_invariant_to_the_device_count() -> None:
+    base = _model().to(torch.bfloat16)
+    _equal(_run(copy.deepcopy(base), 1, overlap=True),
+           _run(copy.deepcopy(base), 3, overlap=True))
+
+
+def test_a_scheduler_stepping_after_step_changes_only_the_next_step() -> None:
+    base = _model().to(torch.bfloat16)
+    _equal(_run(copy.deepcopy(base), 2, overlap=False, schedule=True),
+           _run(copy.deepcopy(base), 2, overlap=True, schedule=True))
+
+
+def test_sgd_with_momentum_overlaps_bitwise() -> None:
+    def make(ps):
+        return roundpipe.optim.SGD(ps, lr=0.1, momentum=0.9)
+    base = _model().to(torch.bfloat16)
+    _equal(_run(copy.deepcopy(base), 2, overlap=False, make_opt=make),
+           _run(copy.deepcopy(base), 2, overlap=True, make_opt=make))
+
+
+def test_units_are_published_in_upload_order_and_the_next_call_reads_new_weights() -> None:
+    """Each unit's weights are published before the next call uploads them, in forward
+    order, and not all at once at the end (the overlap)."""
+    base = _model().to(torch.bfloat16)
+    *_, events = _run(copy.deepcopy(base), 2, overlap=True, events=True)
+    publishes = [(name, v) for what, name, v, _ in events if what == "publish_end"]
+    times = {(what, name, v): t for what, name, v, t in events}
+    versions = sorted({v for _, v in publishes})
+    assert len(versions) >= 3
+    for v in versions[:-1]:  # the last step's publish has no next call
+        names = [n for n, ver in publishes if ver == v]
+        blocks = [int(n.split(".")[0]) for n in names]
+        assert blocks == sorted(blocks), names  # forward (upload) order
+        for name in names:
+            up = times.get(("upload", name, v))
+            assert up is not None and up >= times[("publish_end", name, v)], name
+
+
+def test_torch_optimizers_and_opaque_step_fns_are_not_overlapped_and_stay_exact() -> None:
+    base = _model().to(torch.bfloat16)
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2,
+                   optim_dtype=torch.float32) as pipe:
+        opt = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        assert pipe.step_overlap(opt).startswith("whole update: AdamW steps all")
+        mine = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        assert pipe.step_overlap(mine) == "per unit"
+        handle = mine.register_step_post_hook(lambda *a: None)
+        assert "hooks" in pipe.step_overlap(mine)
+        handle.remove()
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=None) as pipe:
+        assert "no separate masters" in pipe.step_overlap(
+            roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2))
+    # pipe.step(torch optimizer) is exact: equal to the step_fn form
+    plain = _run(copy.deepcopy(base), 2, overlap=False,
+                 make_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        losses = []
+        for x, y in _data():
+            losses.append(pipe.forward_backward(
+                input_args=(x.to(torch.bfloat16),), label=y.to(torch.bfloat16),
+                loss_fn=lambda o, t: F.mse_loss(o.float(), t.float())))
+            pipe.step(opt)
+        assert all(torch.equal(a, b) for a, b in zip(losses, plain[0]))
+
+
+def test_a_failing_overlapped_step_raises_at_step_and_changes_nothing() -> None:
+    base = _model().to(torch.bfloat16)
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        x, y = _data(1)[0]
+
+        def fb():
+            return pipe.forward_backward(
+                input_args=(x.to(torch.bfloat16),), label=y.to(torch.bfloat16),
+                loss_fn=lambda o, t: F.mse_loss(o.float(), t.float()))
+        fb()
+        pipe.step(opt)
+        fb()
+        before_w = {k: v.clone() for k, v in pipe.model.state_dict().items()}
+        before_m = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        before_s = copy.deepcopy(opt.state_dict())
+        # the host runs out of memory while the step allocates its state
+        real = opt._allocate_state
+
+        def no_memory(work):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        opt._allocate_state = no_memory
+        with pytest.raises(StepError, match="allocate memory"):
+            pipe.step(opt)
+        opt._allocate_state = real
+        after_w = pipe.model.state_dict()
+        assert all(torch.equal(before_w[k], after_w[k]) for k in before_w)
+        after_m = pipe.state_dict()
+        assert all(torch.equal(before_m[k], after_m[k]) for k in before_m)
+        after_s = opt.state_dict()["state"]
+        for i, st in before_s["state"].items():
+            for key, value in st.items():
+                assert torch.equal(value, after_s[i][key])
+        # and the next step works
+        pipe.step(opt)
+        fb()
