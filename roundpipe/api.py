@@ -170,6 +170,13 @@ class RoundPipe:
             ``is_async=True`` (an exact warm start, where the weights move fastest),
             then asynchronous ones; the last exact step keeps its masters, so the first
             asynchronous one already predicts.  Default 0.
+        offload_dir: the disk tier: the masters (``optim_dtype``) and the state of a bound
+            ``roundpipe.optim`` optimizer live in files under this directory (created;
+            it must not hold another run's state), and host memory keeps the model's
+            weights plus the few layer units a step is updating.  Each step reads and
+            writes them unit by unit and commits the files atomically, so a crash
+            leaves the last whole step readable (``docs/guide.md``, "The disk tier").
+            Needs ``optim_dtype``; asynchronous steps run without weight prediction.
 
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.
@@ -201,6 +208,7 @@ class RoundPipe:
         measure_memory: bool | None = None,
         predict_weights: bool = True,
         async_after: int = 0,
+        offload_dir: str | os.PathLike[str] | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -260,7 +268,18 @@ class RoundPipe:
         if self._dp is not None:  # replicas start from rank 0's weights and dropout seed
             self.seed = self._dp.broadcast_initial_state(model, self.seed)
         self.device_model = device_model or DeviceModel.for_device(self.devices[0].torch_device)
-        self._state = ModelState(model, optim_dtype)
+        if offload_dir is not None:
+            if not isinstance(offload_dir, (str, os.PathLike)):
+                raise ConfigError(f"offload_dir must be a directory path, got "
+                                  f"{offload_dir!r}")
+            if optim_dtype is None:
+                raise ConfigError(
+                    "offload_dir keeps the masters and the optimizer state on disk, but "
+                    "without optim_dtype the optimizer updates the model's own weights, "
+                    "which every call uploads from host memory: pass "
+                    "optim_dtype=torch.float32 (fp32 masters of a bf16 model)")
+            offload_dir = os.fspath(offload_dir)
+        self._state = ModelState(model, optim_dtype, offload_dir)
         if self._state.has_masters:
             optimizer_check.watch_outside_steps(self._state)
         self._optimizer = OptimizerWorker(self._state)
@@ -981,6 +1000,13 @@ class RoundPipe:
                 return step_fn()
 
         current.called(self)
+        if (is_async and self.predict_weights and self._state.offload is not None
+                and self._steps + 1 >= self.async_after):
+            raise ConfigError(
+                "step(is_async=True) predicts the weights from a second copy of the "
+                "masters kept in host memory, which the disk tier (offload_dir) does not "
+                "hold: pass RoundPipe(..., predict_weights=False) for one-step-stale "
+                "asynchronous steps, or step with is_async=False. Nothing was run")
         warm = is_async and self._steps < self.async_after
         # The last exact warm-up step keeps its starting masters: the first
         # asynchronous step then predicts from its update.
@@ -1101,10 +1127,13 @@ class RoundPipe:
             previous = self._state.previous_masters()
             if previous:  # live, as the masters are: only a step changes them
                 meta["previous"] = {n: t.detach() for n, t in previous.items()}
+            read: dict[str, torch.Tensor] = {}  # with the disk tier: read once
             for name, param in self.model.named_parameters(remove_duplicate=False):
-                master = masters.get(canonical[id(param)])
-                if master is not None:
-                    sd[name] = master.detach()
+                key = canonical[id(param)]
+                if key in masters:
+                    if key not in read:
+                        read[key] = self._state.read_master(key)
+                    sd[name] = read[key]
         metadata = getattr(sd, "_metadata", None)
         if metadata is None:
             metadata = sd._metadata = {}  # type: ignore[attr-defined]
@@ -1173,12 +1202,16 @@ class RoundPipe:
             devices = [DeviceCopies(d.name, d.resident_bytes(),
                                     d.counters().peak_resident_bytes)
                        for d in self.devices if isinstance(d, VirtualCPUDevice)]
+            store = state.offload
             return host_memory(
                 list(self.model.parameters()) + list(self.model.buffers()),
                 [m for _, m in named] if state.has_masters else [],
                 state.all_previous(),
                 [raw_grad(m) for _, m in named], optimizer, self._landing.tensors(), constants,
-                sum(p.numel() for p in trainable), devices)
+                sum(p.numel() for p in trainable), devices,
+                disk_masters=store.disk_bytes("master/") if store is not None else 0,
+                disk_optimizer_state=(store.disk_bytes("state/") if store is not None
+                                      else 0))
 
         # Not under the call lock: a step_fn may call this while the caller waits for it.
         return self._optimizer.run(collect)
@@ -1209,6 +1242,8 @@ class RoundPipe:
                 device.close()
             unpin(self._state)
             optimizer_check.unwatch_outside_steps(self._state)
+            if self._state.offload is not None:
+                self._state.offload.close()
 
     def __enter__(self) -> RoundPipe:
         return self

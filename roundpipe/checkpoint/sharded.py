@@ -136,6 +136,11 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
         "scaler": scaler.state_dict() if scaler is not None else None, "extra": extra,
         "optimizer": None,
     }
+    store = pipe._state.offload  # the disk tier: masters and state read from files
+    private = {"published." + n for n in published}
+    if store is not None:  # pipe.state_dict() read the masters: copies already
+        private.update(k for k in tensors if k.startswith("model.") and k in live)
+        live.difference_update(private)
     if optimizer is not None:
         names = _param_names(pipe, optimizer)
         local = optimizer.optim.state if _is_zero(optimizer) else optimizer.state
@@ -146,8 +151,13 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
             for k, v in entries.items():
                 if isinstance(v, torch.Tensor):
                     key = f"optimizer.{name}.{k}"
-                    tensors[key] = v.detach()
-                    live.add(key)
+                    skey = f"state/{name}/{k}"
+                    if store is not None and store.tensor(skey) is v:
+                        tensors[key] = store.read(skey)  # from its file, once
+                        private.add(key)
+                    else:
+                        tensors[key] = v.detach()
+                        live.add(key)
                     layout[name][k] = _TENSOR
                 else:
                     layout[name][k] = v
@@ -160,7 +170,7 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
                    "params": [names[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
         meta["optimizer"] = {"param_groups": groups, "state": layout}
-    return Collected(tensors, meta, live, {"published." + n for n in published})
+    return Collected(tensors, meta, live, private)
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:

@@ -254,7 +254,7 @@ class OnePass:
                     state = self.state[p]  # type: ignore[attr-defined]
                     for key in keys:
                         if state.get(key) is None:
-                            state[key] = self._moment(p)
+                            state[key] = self._moment(p, key)
                             created.append((p, key))
             # Conversion buffers for what torch's fused kernels will update: everything
             # without the native loop, else the parameters it does not take (not float32).
@@ -387,9 +387,18 @@ class OnePass:
         """Whether ``p``'s state ``key`` was created by the step in progress."""
         return (id(p), key) in self.__dict__.get("_fresh", ())
 
-    def _moment(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(p, dtype=self.state_dtype or p.dtype,
-                                memory_format=torch.contiguous_format)
+    def _moment(self, p: torch.Tensor, key: str | None = None) -> torch.Tensor:
+        owner = owner_of(p)
+        store = owner[0].offload if owner is not None else None
+        if store is None or key is None:
+            return torch.zeros_like(p, dtype=self.state_dtype or p.dtype,
+                                    memory_format=torch.contiguous_format)
+        # The disk tier: the moment starts as zeros in its file, staged when its unit
+        # is updated (its memory is never touched here).
+        t = torch.empty_like(p, dtype=self.state_dtype or p.dtype,
+                             memory_format=torch.contiguous_format)
+        store.register(f"state/{owner[1]}/{key}", t, group=owner[1], zeros=True)
+        return t
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; for a pipe's masters it also drops gradients still held where they
@@ -444,6 +453,27 @@ class OnePass:
                     owner[0].optimizers.add(self)
                     self._bindings.append(owner)
 
+    def state_dict(self) -> dict[str, Any]:
+        """As torch's; with a pipe's disk tier (``offload_dir``) the state tensors of its
+        masters are read from their files into new tensors (they are not in memory
+        between steps)."""
+        sd = super().state_dict()  # type: ignore[misc]
+        index: dict[int, int] = {}
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))  # torch's numbering
+        for p, state in self.state.items():  # type: ignore[attr-defined]
+            owner = owner_of(p)
+            store = owner[0].offload if owner is not None else None
+            if store is None or id(p) not in index:
+                continue
+            entry = sd["state"][index[id(p)]] = dict(sd["state"][index[id(p)]])
+            for key, value in state.items():
+                skey = f"state/{owner[1]}/{key}"
+                if isinstance(value, torch.Tensor) and store.tensor(skey) is value:
+                    entry[key] = store.read(skey)
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
         # torch casts state to the parameter's dtype; moments kept in state_dtype stay so.
@@ -453,6 +483,9 @@ class OnePass:
                     if key != "step" and isinstance(value, torch.Tensor) and \
                             value.is_floating_point():
                         state[key] = value.to(self.state_dtype or p.dtype).contiguous()
+        for landed in self._landed_bindings():  # the disk tier: the loaded state to files
+            if landed.absorb is not None:
+                landed.absorb(self)
 
 
 def advance_step(state: dict[str, Any]) -> torch.Tensor:

@@ -53,6 +53,10 @@ class HostMemory:
         pinned: of all the above, the bytes in page-locked memory (CUDA only).
         trainable_params: the number of elements of the trainable parameters.
         devices: the virtual CPU devices' own copies, apart from the total.
+        disk_masters: with the disk tier (``offload_dir``), bytes of the masters' files
+            (two slots per master: the committed step and the one being written); the
+            masters then take no host memory between steps.
+        disk_optimizer_state: the same for the optimizer's state (moments).
     """
 
     weights: int
@@ -65,6 +69,13 @@ class HostMemory:
     pinned: int
     trainable_params: int
     devices: tuple[DeviceCopies, ...] = ()
+    disk_masters: int = 0
+    disk_optimizer_state: int = 0
+
+    @property
+    def disk_total(self) -> int:
+        """Bytes on disk (the disk tier's files), not part of :attr:`total`."""
+        return self.disk_masters + self.disk_optimizer_state
 
     @property
     def total(self) -> int:
@@ -91,6 +102,12 @@ class HostMemory:
         text = tabulate(rows, headers=["host memory", "MiB", "B/trainable param"])
         text += (f"\n{self.bytes_per_param():.2f} B per trainable parameter beyond the "
                  f"weights; {self.pinned / 2**20:,.1f} MiB pinned")
+        if self.disk_total:
+            n = max(self.trainable_params, 1)
+            text += (f"\non disk (offload_dir): masters {self.disk_masters / 2**20:,.1f} "
+                     f"MiB ({self.disk_masters / n:.2f} B/param), optimizer state "
+                     f"{self.disk_optimizer_state / 2**20:,.1f} MiB "
+                     f"({self.disk_optimizer_state / n:.2f} B/param), two slots each")
         for d in self.devices:
             text += (f"\nvirtual device {d.name}: {d.resident_bytes / 2**20:,.1f} MiB now, "
                      f"{d.peak_bytes_last_call / 2**20:,.1f} MiB at the peak of the last call")
@@ -136,11 +153,13 @@ def host_memory(weights: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]
                 gradients: Sequence[torch.Tensor | None],
                 optimizer: torch.optim.Optimizer | None,
                 landing: Sequence[torch.Tensor], constants: Sequence[torch.Tensor],
-                trainable_params: int, devices: Sequence[DeviceCopies] = ()) -> HostMemory:
+                trainable_params: int, devices: Sequence[DeviceCopies] = (),
+                disk_masters: int = 0, disk_optimizer_state: int = 0) -> HostMemory:
     sizes, pinned = count_storages({
         "weights": weights, "masters": masters, "prediction": prediction,
         "gradients": [g for g in gradients if g is not None],
         "optimizer_state": optimizer_tensors(optimizer),
         "landing": landing, "constants": constants})
     return HostMemory(**sizes, pinned=pinned, trainable_params=trainable_params,
-                      devices=tuple(devices))
+                      devices=tuple(devices), disk_masters=disk_masters,
+                      disk_optimizer_state=disk_optimizer_state)

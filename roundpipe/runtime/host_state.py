@@ -25,7 +25,8 @@ import torch
 
 from ..errors import StepError
 from ..plan import ModelProgram, StateSpec
-from .masters import LandedGrads, Master, UnitSchedule, raw_grad, set_raw_grad
+from .masters import LandedGrads, Master, UnitSchedule, owner_of, raw_grad, set_raw_grad
+from .offload import OffloadError, OffloadStore, OffloadWindow, master_key, state_key, wait
 
 _WAIT_SLICE_S = 0.05
 
@@ -101,7 +102,8 @@ class WeightFences:
 class ModelState:
     """Masters, fences and gradient commits for one model (shared across its programs)."""
 
-    def __init__(self, model: torch.nn.Module, optim_dtype: torch.dtype | None) -> None:
+    def __init__(self, model: torch.nn.Module, optim_dtype: torch.dtype | None,
+                 offload_dir: str | None = None) -> None:
         self.model = model
         self.optim_dtype = optim_dtype
         self.fences = WeightFences()
@@ -124,6 +126,14 @@ class ModelState:
         # Gradients kept in the model's dtype for masters a one-pass optimizer binds
         # (runtime/masters.py).
         self.landed = LandedGrads()
+        # The disk tier (offload_dir): masters and bound optimizers' state in files,
+        # staged while a step updates them (runtime/offload.py).
+        self.offload: OffloadStore | None = None
+        if offload_dir is not None:
+            self.offload = OffloadStore(offload_dir)
+            self.landed.offload = self.offload
+            self.landed.absorb = self._absorb_loaded
+        self._window: OffloadWindow | None = None  # the disk tier's step in progress
 
     @property
     def has_masters(self) -> bool:
@@ -147,6 +157,8 @@ class ModelState:
                 master = Master(param.detach().to(self.optim_dtype, copy=True),
                                 requires_grad=True)
                 self.landed.adopt(master, name)
+                if self.offload is not None:  # to the file; its memory is freed
+                    self.offload.register(master_key(name), master, group=name)
                 self._masters[name] = master
         return master
 
@@ -187,12 +199,15 @@ class ModelState:
                     group = tuple(n for n in group if n not in done)
                     if not group:
                         continue
+                    staged = self._stage_for_publish(group, write)
                     for name in group:
                         self.fences.record("publish_begin", name, version)
                         master = self._masters.get(name)
                         if master is not None:
                             self._publish_one(name, master, write, keep, extrapolate)
                         self.fences.record("publish_end", name, version)
+                    if staged:
+                        self.offload.evict(staged)  # type: ignore[union-attr]
                     done.update(group)
                     self.fences.publish(group, version)
             self._dirty = False
@@ -226,6 +241,14 @@ class ModelState:
 
         return UnitSchedule(self.landed, units, after_unit=after_unit)
 
+    def _stage_for_publish(self, group: tuple[str, ...], write: bool) -> list[str]:
+        """With the disk tier, read the group's masters in to copy them to the weights."""
+        if self.offload is None or not write:
+            return []
+        keys = [master_key(n) for n in group if n in self._masters]
+        wait(self.offload.stage(keys))
+        return keys
+
     def _publish_one(self, name: str, master: torch.Tensor, write: bool, keep: bool,
                      extrapolate: bool) -> None:
         param = self._params[name]
@@ -243,11 +266,124 @@ class ModelState:
         if keep:
             previous.copy_(master)
 
+    # --- the disk tier's step -------------------------------------------------------------
+    def offload_begin(self, schedule: UnitSchedule | None = None) -> UnitSchedule:
+        """A step starts: mark what a failure rolls back to, and set the unit schedule
+        along which a bound optimizer's update stages the masters and state (wrapping
+        ``schedule``'s callbacks, a publishing one, where given)."""
+        store = self.offload
+        assert store is not None
+        store.begin()
+        if schedule is None:
+            done: set[str] = set()
+            units = []
+            for group in self.publish_groups + [tuple(self._masters)]:
+                unit = tuple(n for n in group if n in self._masters and n not in done)
+                done.update(unit)
+                if unit:
+                    units.append(unit)
+            schedule = UnitSchedule(self.landed, units)
+        else:  # every master in some unit: none is updated unstaged
+            covered = {n for u in schedule.units for n in u}
+            rest = tuple(n for n in self._masters if n not in covered)
+            if rest:
+                schedule = UnitSchedule(self.landed, schedule.units + (rest,),
+                                        schedule._before, schedule._after)
+        window = OffloadWindow(store, schedule.units)
+        before, after = schedule._before, schedule._after
+
+        def before_unit(k: int) -> None:
+            try:
+                window.before_unit(k)
+            except BaseException:
+                if k == 0:  # nothing was updated or published yet
+                    staged.started = False
+                raise
+            if before is not None:
+                before(k)
+
+        def after_unit(k: int) -> None:
+            if after is not None and k < len(schedule.units):
+                after(k)  # e.g. publish the staged masters into the weights
+            window.after_unit(k)
+
+        self._window = window
+        staged = UnitSchedule(self.landed, schedule.units, before_unit, after_unit)
+        self.landed.unit_schedule = staged
+        return staged
+
+    def offload_finish(self) -> None:
+        """A step ended whole: its writes finish, state the optimizers made goes to the
+        files, and the manifest names the new slots (step k + 1 is committed)."""
+        store = self.offload
+        assert store is not None
+        self.landed.unit_schedule = None
+        window, self._window = self._window, None
+        if window is not None:
+            window.finish()
+        self.absorb_optimizer_state()
+        staged = store.staged_keys()
+        wait(store.write_back(staged))
+        store.evict(staged)
+        store.commit()
+
+    def absorb_optimizer_state(self, optimizers: Iterable[object] | None = None) -> None:
+        """Put every state tensor the bound optimizers keep for this pipe's masters into
+        the files (ones made since the last step, or replaced by a load); the small ones
+        (step counts) stay resident."""
+        store = self.offload
+        assert store is not None
+        for opt in list(self.landed.optimizers if optimizers is None else optimizers):
+            for p, state in list(opt.state.items()):  # type: ignore[attr-defined]
+                owner = owner_of(p)
+                if owner is None or owner[0] is not self.landed:
+                    continue
+                for key, value in list(state.items()):
+                    if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+                        continue
+                    skey = state_key(owner[1], key)
+                    if store.tensor(skey) is value:
+                        continue
+                    if not value.is_contiguous():
+                        value = state[key] = value.contiguous()
+                    store.register(skey, value, group=owner[1])
+
+    def _absorb_loaded(self, optimizer: object) -> None:
+        """An optimizer's state was loaded: into the files, committed."""
+        assert self.offload is not None
+        self.absorb_optimizer_state([optimizer])
+        self.offload.commit()
+
+    def offload_rollback(self) -> None:
+        """A step failed: drop what it staged and wrote, point every tensor back at the
+        slot it was in when the step began, and drop optimizer state it made."""
+        store = self.offload
+        assert store is not None
+        self.landed.unit_schedule = None
+        window, self._window = self._window, None
+        if window is not None:
+            window.drain()
+        store.rollback()
+        for opt in list(self.landed.optimizers):
+            for p, state in list(opt.state.items()):  # type: ignore[attr-defined]
+                owner = owner_of(p)
+                if owner is None or owner[0] is not self.landed:
+                    continue
+                for key in [k for k, v in state.items() if isinstance(v, torch.Tensor)
+                            and not store.has(state_key(owner[1], k))]:
+                    del state[key]
+                if not state:
+                    del opt.state[p]  # type: ignore[attr-defined]
+
     def restore_masters(self) -> None:
         """After a failed step: make the masters what they were when it started (the
         masters kept at its start where it kept them, else the published weights).  The
         weights are left alone (the next call may be reading them); where they hold a
         prediction, the next publish writes the masters."""
+        if self.offload is not None:
+            self.offload_rollback()
+            self._dirty = False
+            return
         with self._lock, torch.no_grad():
             for name, master in self._masters.items():
                 kept = self._previous.get(name) if self._history else None
@@ -268,6 +404,12 @@ class ModelState:
             if not values:
                 self._history = False
                 return
+            if self.offload is not None:
+                raise OffloadError(
+                    "this state holds the masters kept for the weight prediction of "
+                    "asynchronous steps, a second copy of the masters in host memory, "
+                    "which the disk tier (offload_dir) does not keep; load it into a pipe "
+                    "without offload_dir, or save it after an exact step")
             for name, value in values.items():
                 if name in self._masters or (self.has_masters and name in self._params):
                     master = self.master(name)
@@ -283,8 +425,22 @@ class ModelState:
             for name, value in values.items():
                 if name in self._params and self._params[name].requires_grad and \
                         self.has_masters:
-                    self.master(name).copy_(value)
+                    master = self.master(name)
+                    if self.offload is not None:
+                        self.offload.assign(master_key(name), value)
+                    else:
+                        master.copy_(value)
+        if self.offload is not None:
+            self.offload.commit()
         self._dirty = True
+
+    def read_master(self, name: str) -> torch.Tensor:
+        """A master's value: the tensor itself, or with the disk tier a copy read from
+        its file (the masters are not in memory between steps)."""
+        master = self.master(name)
+        if self.offload is None:
+            return master.detach()
+        return self.offload.read(master_key(name))
 
     def commit_grads(self, grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
                      owned: frozenset[str] = frozenset(),

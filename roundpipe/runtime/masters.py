@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -146,6 +146,11 @@ class LandedGrads:
         # Set by the pipe for the length of a step that walks the masters unit by unit
         # (an optimizer that can updates unit k between the schedule's two calls).
         self.unit_schedule: UnitSchedule | None = None
+        # The disk tier's store (runtime/offload.py) when the pipe has offload_dir: a
+        # bound optimizer registers the state it makes for these masters there.
+        self.offload: Any = None
+        # With the disk tier: puts an optimizer's state (just loaded) into the files.
+        self.absorb: Callable[[Any], None] | None = None
 
     # --- binding (the optimizer) ------------------------------------------------------
     def adopt(self, master: Master, name: str) -> None:

@@ -98,8 +98,12 @@ class OptimizerWorker:
             host.publish(version, at_step=True, **(publish or {}))
         self._local.inside, self._local.version = True, version
         try:
+            if host.offload is not None:
+                host.offload_begin()
             with watching(host, on_pass=lambda: self._passed(checked)):
                 fn()
+            if host.offload is not None:  # the step's files are whole: commit them
+                host.offload_finish()
             self._passed(checked)
         except BaseException as e:
             checked.misbuilt = isinstance(e, MisbuiltOptimizerError)
@@ -147,13 +151,19 @@ class OptimizerWorker:
                      prepared: threading.Event, on_prepared: Callable[[], None]) -> None:
         host = self.host
         schedule = host.publishing_schedule(version)
+        if host.offload is not None:  # stage each unit around its update and publish
+            schedule = host.offload_begin(schedule)
         host.landed.unit_schedule = schedule
         self._local.inside, self._local.version = True, version
         try:
             optimizer.step_frozen(groups, on_prepared=on_prepared)
             optimizer.zero_grad()
+            if host.offload is not None:
+                host.offload_finish()
             self._checked = True
         except BaseException as e:
+            if host.offload is not None:  # the files stay at the last whole step
+                host.offload_rollback()
             if schedule.started:
                 # Not expected (what can fail ran before the first unit): units
                 # 0..finished-1 were published with the new weights; the next call's

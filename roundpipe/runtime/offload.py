@@ -1,0 +1,529 @@
+"""The disk tier (``RoundPipe(..., offload_dir=PATH)``): masters and optimizer state in
+files, staged into host memory only while a step updates them.
+
+Every offloaded tensor keeps its Python object (the optimizer keys its state by the
+master, ``opt.state`` holds the moments), and its storage is freed while it is not staged
+(``untyped_storage().resize_(0)``); staging resizes the storage back and reads the bytes
+from the file.  Tensors of a few bytes (AdamW's step counts) stay resident; their values
+travel inline in the manifest.
+
+Layout of ``PATH``::
+
+    data.bin        two regions ("slots") per tensor, 4 KiB aligned
+    manifest.json   the committed state: step number, and for each tensor its slot,
+                    dtype and shape (inline bytes for the resident ones)
+
+Crash safety: a step writes every tensor it changes into the slot its committed value
+is *not* in, and only when the whole step is written (``fdatasync``) the manifest is
+replaced atomically (temporary file, ``fsync``, ``os.replace``, ``fsync`` of the
+directory).  A kill or an error anywhere before that leaves the previous manifest and the
+slots it names untouched: step ``k`` stays readable until step ``k + 1`` is whole.  A step
+that raises is rolled back (:meth:`OffloadStore.rollback`): each tensor points at the
+slot it was in when the step began, the staged copies are dropped.
+
+I/O: ``os.preadv``/``os.pwrite`` straight into and out of the staged tensors' memory, in
+chunks spread over a few threads (they release the GIL).  See docs/architecture.md for
+what the alternatives measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ..errors import RoundPipeError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "roundpipe-offload-1"
+DATA_FILE = "data.bin"
+MANIFEST = "manifest.json"
+ALIGN = 4096
+#: bytes per read or write call; chunks of one tensor go to several threads
+CHUNK_BYTES = 8 << 20
+#: tensors at most this big stay in host memory (step counts), inline in the manifest
+RESIDENT_BYTES = 64
+IO_THREADS = 4
+
+
+class OffloadError(RoundPipeError, RuntimeError):
+    """The disk tier cannot do what was asked (a directory it cannot use, an optimizer
+    whose state it cannot hold, an I/O error)."""
+
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass
+class _Entry:
+    key: str
+    tensor: torch.Tensor
+    nbytes: int
+    offsets: tuple[int, int]
+    #: where the value is while not staged: 0 or 1 (a slot), "zeros" (never written:
+    #: staging fills zeros), "resident" (small: always in memory)
+    current: int | str
+    committed: int | None = None  # the slot the committed manifest names
+    staged: bool = False
+
+
+def _buffer(t: torch.Tensor, start: int, n: int) -> ctypes.Array:
+    """A writable view of bytes ``start:start+n`` of ``t``'s memory (no copy)."""
+    return (ctypes.c_char * n).from_address(t.data_ptr() + start)
+
+
+def _read_exact(fd: int, t: torch.Tensor, start: int, n: int, offset: int) -> None:
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [_buffer(t, start + done, n - done)], offset + done)
+        if got <= 0:
+            raise OffloadError(f"the offload file ended at byte {offset + done} while "
+                               f"reading {n} bytes at {offset}: it was truncated")
+        done += got
+
+
+def _write_exact(fd: int, t: torch.Tensor, start: int, n: int, offset: int) -> None:
+    done = 0
+    while done < n:
+        done += os.pwrite(fd, _buffer(t, start + done, n - done), offset + done)
+
+
+class OffloadStore:
+    """The files of one pipe's disk tier (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str], io_threads: int = IO_THREADS
+                 ) -> None:
+        self.directory = os.path.abspath(os.fspath(directory))
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:
+            raise OffloadError(f"offload_dir {self.directory!r} cannot be created ({e}); "
+                               "pass a writable directory on a local disk") from e
+        if os.path.exists(os.path.join(self.directory, MANIFEST)):
+            step = read_manifest(self.directory).get("step")
+            raise OffloadError(
+                f"offload_dir {self.directory!r} holds the committed state of step {step} "
+                "of another run (its masters and optimizer state). A new pipe does not "
+                "overwrite it: read it with roundpipe.runtime.offload.read_committed(path), "
+                "or remove the directory (or pass another one)")
+        self._fd = os.open(os.path.join(self.directory, DATA_FILE),
+                           os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._end = 0
+        self._lock = threading.RLock()
+        self._entries: dict[str, _Entry] = {}
+        self._groups: dict[str, list[str]] = {}  # parameter name -> its keys
+        self._pool = ThreadPoolExecutor(max_workers=io_threads,
+                                        thread_name_prefix="roundpipe-offload")
+        self.step = 0  # steps committed
+        # What a step may roll back to: key -> current at begin(), resident bytes.
+        self._begun: dict[str, int | str] | None = None
+        self._resident_at_begin: dict[str, bytes] = {}
+        self._committed_resident: dict[str, bytes] = {}
+        self.staged_bytes = 0
+        self.peak_staged_bytes = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        # Tests inject faults here: called with ("write", key) before each tensor's
+        # write-back and ("commit", step) before the manifest is replaced.
+        self.fault: Callable[[str, object], None] | None = None
+        self.closed = False
+
+    # --- registration -----------------------------------------------------------------
+    def has(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def tensor(self, key: str) -> torch.Tensor | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.tensor
+
+    def keys(self, prefix: str = "") -> list[str]:
+        with self._lock:
+            return [k for k in self._entries if k.startswith(prefix)]
+
+    def group_keys(self, names: Iterable[str]) -> list[str]:
+        """The keys registered for the parameters ``names`` (masters and state)."""
+        with self._lock:
+            return [k for n in names for k in self._groups.get(n, ())]
+
+    def staged_keys(self) -> list[str]:
+        with self._lock:
+            return [k for k, e in self._entries.items() if e.staged]
+
+    def register(self, key: str, tensor: torch.Tensor, *, group: str,
+                 zeros: bool = False) -> None:
+        """Offload ``tensor`` under ``key``: its value now (``zeros``: it is all zeros,
+        nothing is written) goes to the file and its memory is freed, unless it is small
+        enough to stay resident.  A key registered before gets the new tensor in its
+        regions (an optimizer made again over the same masters)."""
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise OffloadError(f"internal: {key} is not a contiguous CPU tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            old = self._entries.get(key)
+            if old is None:
+                self._groups.setdefault(group, []).append(key)
+            if nbytes <= RESIDENT_BYTES:
+                if zeros:
+                    with torch.no_grad():
+                        tensor.zero_()
+                self._entries[key] = _Entry(key, tensor, nbytes, (0, 0), "resident",
+                                            committed=None if old is None else old.committed)
+                return
+            if old is not None and old.nbytes == nbytes and old.current != "resident":
+                offsets = old.offsets
+                committed = old.committed
+            else:
+                size = -(-nbytes // ALIGN) * ALIGN
+                offsets = (self._end, self._end + size)
+                self._end += 2 * size
+                committed = None
+            entry = _Entry(key, tensor, nbytes, offsets, "zeros", committed=committed,
+                           staged=True)
+            self._entries[key] = entry
+            self._count_staged(nbytes)
+        if zeros:
+            self._evict(entry)
+            return
+        for f in self._write(entry):
+            f.result()
+        self._evict(entry)
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Drop entries (state an optimizer dropped); their regions are not reused."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.pop(key, None)
+                if entry is not None and entry.staged:
+                    self._count_staged(-entry.nbytes)
+                self._ungroup(key)
+
+    def _ungroup(self, key: str) -> None:
+        for keys in self._groups.values():
+            if key in keys:
+                keys.remove(key)
+                return
+
+    # --- staging ----------------------------------------------------------------------
+    def _count_staged(self, delta: int) -> None:
+        self.staged_bytes += delta
+        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+
+    def _entries_of(self, keys: Iterable[str]) -> list[_Entry]:
+        with self._lock:
+            return [e for k in keys if (e := self._entries.get(k)) is not None
+                    and e.current != "resident"]
+
+    def stage(self, keys: Iterable[str]) -> list[Future]:
+        """Start reading ``keys`` into memory; wait for the futures before using them."""
+        futures: list[Future] = []
+        for entry in self._entries_of(keys):
+            if entry.staged:
+                continue
+            storage = entry.tensor.untyped_storage()
+            storage.resize_(entry.nbytes)
+            with self._lock:
+                entry.staged = True
+                self._count_staged(entry.nbytes)
+            if entry.current == "zeros":
+                with torch.no_grad():
+                    entry.tensor.zero_()
+                continue
+            offset = entry.offsets[entry.current]
+            self.bytes_read += entry.nbytes
+            for start in range(0, entry.nbytes, CHUNK_BYTES):
+                n = min(CHUNK_BYTES, entry.nbytes - start)
+                futures.append(self._pool.submit(_read_exact, self._fd, entry.tensor,
+                                                 start, n, offset + start))
+        return futures
+
+    def write_back(self, keys: Iterable[str]) -> list[Future]:
+        """Start writing staged ``keys`` into the slot their committed value is not in."""
+        futures: list[Future] = []
+        for entry in self._entries_of(keys):
+            if entry.staged:
+                futures.extend(self._write(entry))
+        return futures
+
+    def _write(self, entry: _Entry) -> list[Future]:
+        if self.fault is not None:
+            self.fault("write", entry.key)
+        slot = 0 if entry.committed is None else 1 - entry.committed
+        offset = entry.offsets[slot]
+        futures = [self._pool.submit(_write_exact, self._fd, entry.tensor, start,
+                                     min(CHUNK_BYTES, entry.nbytes - start), offset + start)
+                   for start in range(0, entry.nbytes, CHUNK_BYTES)]
+        entry.current = slot
+        self.bytes_written += entry.nbytes
+        return futures
+
+    def evict(self, keys: Iterable[str]) -> None:
+        """Free the memory of staged ``keys`` (written back first, or unchanged)."""
+        for entry in self._entries_of(keys):
+            self._evict(entry)
+
+    def _evict(self, entry: _Entry) -> None:
+        with self._lock:
+            if not entry.staged:
+                return
+            entry.staged = False
+            self._count_staged(-entry.nbytes)
+        entry.tensor.untyped_storage().resize_(0)
+
+    def read(self, key: str) -> torch.Tensor:
+        """A new tensor with ``key``'s value (staged or not), read once from the file."""
+        with self._lock:
+            entry = self._entries[key]
+        t = entry.tensor
+        if entry.staged or entry.current == "resident":
+            return t.detach().clone()
+        out = torch.empty(t.shape, dtype=t.dtype)
+        if entry.current == "zeros":
+            return out.zero_()
+        offset = entry.offsets[entry.current]
+        self.bytes_read += entry.nbytes
+        wait([self._pool.submit(_read_exact, self._fd, out, start,
+                                min(CHUNK_BYTES, entry.nbytes - start), offset + start)
+              for start in range(0, entry.nbytes, CHUNK_BYTES)])
+        return out
+
+    def assign(self, key: str, value: torch.Tensor) -> None:
+        """Set ``key``'s value from ``value`` (a load): staged, copied, written, evicted."""
+        wait(self.stage([key]))
+        with torch.no_grad():
+            self._entries[key].tensor.copy_(value)
+        wait(self.write_back([key]))
+        self.evict([key])
+
+    # --- steps ------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Mark what a failed step rolls back to."""
+        with self._lock:
+            self._begun = {k: e.current for k, e in self._entries.items()}
+            self._resident_at_begin = {
+                k: bytes(_buffer(e.tensor, 0, e.nbytes)) for k, e in self._entries.items()
+                if e.current == "resident" and e.nbytes}
+
+    def rollback(self) -> list[str]:
+        """Undo everything since :meth:`begin`: staged copies are dropped, each tensor's
+        value is the one it had then.  Returns the keys registered since (the caller
+        drops them from the optimizer's state)."""
+        with self._lock:
+            begun = self._begun or {}
+            dropped = [k for k in self._entries if k not in begun]
+            entries = list(self._entries.values())
+        for entry in entries:
+            self._evict(entry) if entry.current != "resident" else None
+        with self._lock:
+            for key in dropped:
+                self._entries.pop(key, None)
+                self._ungroup(key)
+            for key, current in begun.items():
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                entry.current = current
+                saved = self._resident_at_begin.get(key)
+                if saved is not None and entry.current == "resident":
+                    ctypes.memmove(entry.tensor.data_ptr(), saved, len(saved))
+            self._begun = None
+        return dropped
+
+    def commit(self) -> None:
+        """Make everything written so far the committed state: wait, flush the data to
+        disk, then replace the manifest atomically (the step counter advances)."""
+        if self.fault is not None:
+            self.fault("commit", self.step + 1)
+        os.fdatasync(self._fd)
+        with self._lock:
+            entries = {}
+            for key, e in self._entries.items():
+                info = {"dtype": _dtype_name(e.tensor.dtype), "shape": list(e.tensor.shape)}
+                if e.current == "resident":
+                    info["bytes"] = bytes(_buffer(e.tensor, 0, e.nbytes)).hex() \
+                        if e.nbytes else ""
+                elif e.current in (0, 1):
+                    info["offset"] = e.offsets[e.current]
+                else:
+                    continue  # zeros never written: a resume starts it afresh
+                entries[key] = info
+            manifest = {"format": FORMAT, "step": self.step + 1, "entries": entries}
+            _replace_atomically(os.path.join(self.directory, MANIFEST),
+                                json.dumps(manifest).encode())
+            self.step += 1
+            for e in self._entries.values():
+                if e.current in (0, 1):
+                    e.committed = e.current  # type: ignore[assignment]
+            self._begun = None
+
+    # --- accounting -------------------------------------------------------------------
+    def disk_bytes(self, prefix: str) -> int:
+        """Bytes of file regions (both slots) of the keys starting with ``prefix``."""
+        with self._lock:
+            return sum(2 * (e.offsets[1] - e.offsets[0]) for k, e in self._entries.items()
+                       if k.startswith(prefix) and e.current != "resident")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._pool.shutdown(wait=True)
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def wait(futures: Sequence[Future]) -> None:
+    """Wait for every future; raise the first error after all are done (no I/O is left
+    running into memory that is about to be freed)."""
+    error: BaseException | None = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            error = error or e
+    if error is not None:
+        if isinstance(error, OSError):
+            raise OffloadError(f"offload I/O failed: {error}; the step changed nothing "
+                               "the files' committed state holds") from error
+        raise error
+
+
+def _replace_atomically(path: str, data: bytes) -> None:
+    directory = os.path.dirname(path)
+    temp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict:
+    path = os.path.join(os.fspath(directory), MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise OffloadError(f"cannot read the offload manifest {path!r}: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise OffloadError(f"{path!r} is not a roundpipe offload manifest")
+    return manifest
+
+
+def read_committed(directory: str | os.PathLike[str]) -> tuple[int, dict[str, torch.Tensor]]:
+    """The committed state of an offload directory: the step number and every tensor by
+    key (``master/<parameter>``, ``state/<parameter>/<state key>``)."""
+    manifest = read_manifest(directory)
+    out: dict[str, torch.Tensor] = {}
+    with open(os.path.join(os.fspath(directory), DATA_FILE), "rb") as f:
+        for key, info in manifest["entries"].items():
+            t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            n = t.numel() * t.element_size()
+            if "bytes" in info:
+                data = bytes.fromhex(info["bytes"])
+            else:
+                f.seek(info["offset"])
+                data = f.read(n)
+            if len(data) != n:
+                raise OffloadError(f"the offload data of {key} is truncated")
+            if n:
+                ctypes.memmove(t.data_ptr(), data, n)
+            out[key] = t
+    return int(manifest["step"]), out
+
+
+def master_key(name: str) -> str:
+    return f"master/{name}"
+
+
+def state_key(name: str, key: str) -> str:
+    return f"state/{name}/{key}"
+
+
+class OffloadWindow:
+    """The disk tier's side of a step that updates the masters unit by unit (the
+    callbacks of the :class:`~roundpipe.runtime.masters.UnitSchedule` the pipe sets on
+    its ``LandedGrads`` for the step): before unit
+    ``k`` its masters and state are staged (read ahead while unit ``k - 1`` updated) and
+    unit ``k + 1``'s read starts; after it, its write-back starts, and unit ``k - 2``'s
+    write-back is waited for and its memory freed.  At most three units are staged."""
+
+    def __init__(self, store: OffloadStore, units: Sequence[tuple[str, ...]]) -> None:
+        self.store = store
+        self.units = [tuple(u) for u in units]
+        self._reads: dict[int, list[Future]] = {}
+        self._writes: dict[int, list[Future]] = {}
+        self._ready: set[int] = set()
+
+    def _keys(self, k: int) -> list[str]:
+        return self.store.group_keys(self.units[k])
+
+    def _start_read(self, k: int) -> None:
+        if 0 <= k < len(self.units) and k not in self._reads and k not in self._ready:
+            self._reads[k] = self.store.stage(self._keys(k))
+
+    def before_unit(self, k: int) -> None:
+        self._retire(k - 2)
+        if k in self._writes:  # updated once already this step (a second optimizer)
+            wait(self._writes.pop(k))
+        self._start_read(k)
+        wait(self._reads.pop(k, []))
+        self._ready.add(k)
+        self._start_read(k + 1)
+
+    def after_unit(self, k: int) -> None:
+        self._writes[k] = self.store.write_back(self._keys(k))
+
+    def _retire(self, upto: int) -> None:
+        for j in sorted(j for j in self._writes if j <= upto):
+            wait(self._writes.pop(j))
+            self.store.evict(self._keys(j))
+            self._ready.discard(j)
+
+    def finish(self) -> None:
+        """Wait for every write-back and free every staged unit (a unit read ahead
+        but not updated is freed unwritten)."""
+        self._retire(len(self.units))
+        for k in list(self._reads):
+            wait(self._reads.pop(k))
+        for k in list(self._ready):
+            self.store.evict(self._keys(k))
+        self._ready.clear()
+
+    def drain(self) -> None:
+        """After a failure: let every read and write in flight end (errors ignored), so
+        no I/O runs into memory the rollback frees."""
+        for futures in list(self._reads.values()) + list(self._writes.values()):
+            for f in futures:
+                with contextlib.suppress(BaseException):
+                    f.result()
+        self._reads.clear()
+        self._writes.clear()
