@@ -99,3 +99,180 @@ def test_steps_with_the_disk_tier_equal_the_run_in_memory_bitwise(
     finally:
         pipe.close()
         ref_pipe.close()
+
+
+def _fail_update(pipe, opt):
+    """The update raises after the first group's parameters were written in memory."""
+    real = opt._update_group
+    calls = []
+
+    def update(group, pairs):
+        real(group, pairs)
+        if len(calls) == 0 and pipe._steps == 1:  # the second step
+            calls.append(1)
+            raise RuntimeError("injected: the update failed")
+    opt._update_group = update
+
+
+def _fail_store(point):
+    def on_pipe(pipe, opt):
+        store = pipe._state.offload
+        seen = []
+
+        def fault(what, arg):
+            if what == point and store.step == 1:
+                seen.append(arg)
+                if len(seen) == (3 if what == "write" else 1):
+                    raise OSError(28, "injected: No space left on device")
+        store.fault = fault
+    return on_pipe
+
+
+@pytest.mark.parametrize("where", ["update", "write", "commit"])
+def test_a_failed_step_changes_nothing_a_resume_reads(tmp_path, where):
+    """Step 2 fails (in the update, in the middle of the write-back, or just before the
+    manifest is replaced); after zero_grad the run goes on as if it had never been
+    taken: two more steps equal two steps in memory, files included."""
+    model, args, kwargs = _model()
+    ref_pipe, ref_opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None,
+                               steps=2)
+    on_pipe = ((lambda pipe, opt: _fail_update(pipe, opt)) if where == "update"
+               else _fail_store(where))
+    pipe, opt = _train(model, args, kwargs, 1, "AdamW", None, offload_dir=tmp_path / "t",
+                       steps=1, on_pipe=on_pipe)
+    try:
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+        with pytest.raises(StepError, match="injected"):
+            pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        step, files = read_committed(tmp_path / "t")
+        assert step == 1
+        opt.zero_grad()
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        _assert_equal(_snapshot(pipe, opt), _snapshot(ref_pipe, ref_opt))
+        assert pipe._state.offload.staged_bytes == 0
+    finally:
+        pipe.close()
+        ref_pipe.close()
+
+
+_KILLED = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import test_offload as t
+    model, args, kwargs = t._model()
+
+    def on_pipe(pipe, opt):
+        store = pipe._state.offload
+        seen = []
+
+        def fault(what, arg):
+            if what == "write" and store.step == 2:
+                seen.append(arg)
+                if len(seen) == 5:  # some of step 3's writes are issued, some not
+                    os.kill(os.getpid(), signal.SIGKILL)
+        store.fault = fault
+
+    t._train(model, args, kwargs, 1, "AdamW", None, offload_dir={path!r}, steps=3,
+             on_pipe=on_pipe)
+    print("not killed")
+""")
+
+
+def test_a_kill_during_the_write_back_leaves_the_last_whole_step(tmp_path):
+    """A process killed (SIGKILL) in the middle of step 3's write-back leaves files that
+    hold step 2 exactly: the masters and moments of two steps in memory."""
+    path = str(tmp_path / "t")
+    script = _KILLED.format(tests=os.path.dirname(__file__), path=path)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    step, files = read_committed(path)
+    assert step == 2
+    model, args, kwargs = _model()
+    ref_pipe, ref_opt = _train(model, args, kwargs, 1, "AdamW", None, steps=2)
+    try:
+        n_state = 0
+        for name, master in ref_pipe.optim_named_parameters():
+            assert torch.equal(files[f"master/{name}"], master.detach()), name
+            for key, value in ref_opt.state[master].items():
+                assert torch.equal(files[f"state/{name}/{key}"], value), (name, key)
+                n_state += 1
+        assert n_state == 3 * len(ref_pipe.optim_parameters())
+    finally:
+        ref_pipe.close()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_checkpoints_with_the_disk_tier_resume_bitwise(tmp_path, sharded):
+    """Save after two steps with the tier, load into a new pipe with a new tier, one more
+    step: equal to three steps in memory (and the checkpoint loads into a pipe without
+    the tier alike)."""
+    model, args, kwargs = _model()
+    fresh = copy.deepcopy(model)
+    ref_pipe, ref_opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None,
+                               steps=3)
+    pipe, opt = _train(model, args, kwargs, 1, "AdamW", None, offload_dir=tmp_path / "a",
+                       steps=2)
+    path = tmp_path / ("ckpt" if sharded else "ckpt.pt")
+    if sharded:
+        path.mkdir()
+    save_checkpoint(path, pipe, opt, sharded=sharded)
+    pipe.close()
+
+    def load(p, o):
+        load_checkpoint(path, p, o)
+    pipe2, opt2 = _train(fresh, args, kwargs, 1, "AdamW", None, offload_dir=tmp_path / "b",
+                         steps=1, on_pipe=load)
+    try:
+        _assert_equal(_snapshot(pipe2, opt2), _snapshot(ref_pipe, ref_opt))
+        step, files = read_committed(tmp_path / "b")
+        for name, master in ref_pipe.optim_named_parameters():
+            assert torch.equal(files[f"master/{name}"], master.detach()), name
+    finally:
+        pipe2.close()
+        ref_pipe.close()
+
+
+def test_host_memory_reports_ram_and_disk_apart(tmp_path):
+    model, args, kwargs = _model()
+    pipe, opt = _train(model, args, kwargs, 1, "AdamW", None, offload_dir=tmp_path / "t",
+                       steps=1)
+    try:
+        mem = pipe.host_memory(opt)
+        params = sum(p.numel() for p in pipe.optim_parameters())
+        assert mem.masters == 0
+        assert mem.optimizer_state <= 4 * len(opt.state) + \
+            sum(v.numel() * v.element_size() for s in opt.state.values()
+                for v in s.values() if v.numel() * v.element_size() <= RESIDENT_BYTES)
+        # two slots of 4 bytes per master element, rounded up to 4 KiB per tensor
+        assert 8 * params <= mem.disk_masters <= 8 * params + 2 * 4096 * len(
+            pipe.optim_parameters())
+        assert 16 * params * 0.9 <= mem.disk_optimizer_state <= mem.disk_masters * 2
+        assert mem.disk_total == mem.disk_masters + mem.disk_optimizer_state
+        assert "on disk (offload_dir)" in str(mem)
+        assert os.path.getsize(tmp_path / "t" / "data.bin") >= mem.disk_total - 4096
+    finally:
+        pipe.close()
+
+
+def test_what_the_disk_tier_cannot_hold_is_refused(tmp_path):
+    model, args, kwargs = _model()
+    with pytest.raises(ConfigError, match="optim_dtype"):
+        RoundPipe(model, devices=["cpu"], offload_dir=tmp_path / "t")
+    with RoundPipe(model, devices=["cpu"], optim_dtype=torch.float32,
+                   offload_dir=tmp_path / "t") as pipe:
+        opt = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+        with pytest.raises(OptimizerError, match="roundpipe.optim.AdamW"):
+            pipe.step(lambda: opt.step())
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        with pytest.raises(ConfigError, match="predict_weights=False"):
+            pipe.step(lambda: opt.step(), is_async=True)
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))  # a whole step commits
+    with pytest.raises(OffloadError, match="step 1 of another run"):
+        RoundPipe(model, devices=["cpu"], optim_dtype=torch.float32,
+                  offload_dir=tmp_path / "t")

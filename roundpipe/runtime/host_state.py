@@ -344,8 +344,14 @@ class ModelState:
                     skey = state_key(owner[1], key)
                     if store.tensor(skey) is value:
                         continue
-                    if not value.is_contiguous():
-                        value = state[key] = value.contiguous()
+                    storage = value.untyped_storage()
+                    if (not value.is_contiguous() or value.storage_offset() != 0
+                            or storage.nbytes() != value.numel() * value.element_size()
+                            or not storage.resizable()):
+                        # a view, or a loaded tensor in a shared or mapped storage: it
+                        # needs a storage of its own to be freed and staged
+                        value = state[key] = value.clone(
+                            memory_format=torch.contiguous_format)
                     store.register(skey, value, group=owner[1])
 
     def _absorb_loaded(self, optimizer: object) -> None:

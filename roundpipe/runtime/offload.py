@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -193,6 +194,7 @@ class OffloadStore:
             else:
                 size = -(-nbytes // ALIGN) * ALIGN
                 offsets = (self._end, self._end + size)
+                self._reserve(self._end, 2 * size)
                 self._end += 2 * size
                 committed = None
             entry = _Entry(key, tensor, nbytes, offsets, "zeros", committed=committed,
@@ -205,6 +207,18 @@ class OffloadStore:
         for f in self._write(entry):
             f.result()
         self._evict(entry)
+
+    def _reserve(self, offset: int, length: int) -> None:
+        """Allocate both slots' disk blocks now: a full disk fails here, when state is
+        made, rather than in the middle of a step's write-back."""
+        try:
+            os.posix_fallocate(self._fd, offset, length)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise OffloadError(
+                    f"offload_dir {self.directory!r} has no room for {length:,} more bytes "
+                    f"({e}); free space there, or pass a directory on a larger disk") from e
+            os.ftruncate(self._fd, max(offset + length, os.fstat(self._fd).st_size))
 
     def forget(self, keys: Iterable[str]) -> None:
         """Drop entries (state an optimizer dropped); their regions are not reused."""
