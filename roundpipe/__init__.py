@@ -46,8 +46,8 @@ if not _cli_help_only():  # (the package's contents; the command line imports th
                          OutOfMemoryError, PartitionError, RoundPipeError, StageError,
                          StepError, TraceError, UnknownConfigFieldError)
     from .errors import (DataParallelError, DoubleBackwardError, HostOutOfMemoryError,
-                         NonFiniteGradientError, OptimizerError, ParameterHookError,
-                         ReplicaError)
+                         NonFiniteGradientError, OffloadError, OptimizerError,
+                         ParameterHookError, ReplicaError)
     from .runtime.data_parallel import DataParallelConfig
     from .plan import StagePlan
     from .runtime.host_memory import HostMemory
@@ -96,6 +96,7 @@ __all__ = [
     "NonFiniteGradientError",
     "OutOfMemoryError",
     "HostOutOfMemoryError",
+    "OffloadError",
     "DataParallelConfig",
     "DataParallelError",
     "ReplicaError",

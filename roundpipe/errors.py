@@ -110,6 +110,11 @@ class CheckpointError(RoundPipeError, ValueError):
     """A checkpoint file cannot be used (not one of ours, or unsafe to load)."""
 
 
+class OffloadError(RoundPipeError, RuntimeError):
+    """The disk tier (``offload_dir``) cannot do what was asked: a directory it cannot
+    use or that holds another run's state, a disk without room, an I/O error."""
+
+
 class DataParallelError(RoundPipeError, RuntimeError):
     """Replicas could not combine their gradients (a collective failed or timed out, or
     the replicas do not run the same program); the group is unusable afterwards, except
@@ -149,6 +154,7 @@ __all__ = [
     "OutOfMemoryError",
     "HostOutOfMemoryError",
     "CheckpointError",
+    "OffloadError",
     "DataParallelError",
     "ReplicaError",
 ]

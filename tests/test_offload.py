@@ -18,7 +18,8 @@ import models
 import roundpipe.optim
 from roundpipe import (ConfigError, OptimizerError, RoundPipe, RoundPipeRunConfig,
                        StepError, load_checkpoint, save_checkpoint)
-from roundpipe.runtime.offload import RESIDENT_BYTES, OffloadError, read_committed
+from roundpipe import OffloadError
+from roundpipe.runtime.offload import RESIDENT_BYTES, read_committed
 
 STEPS = 3
 

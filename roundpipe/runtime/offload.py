@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..errors import RoundPipeError
+from ..errors import OffloadError
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,6 @@ CHUNK_BYTES = 8 << 20
 #: tensors at most this big stay in host memory (step counts), inline in the manifest
 RESIDENT_BYTES = 64
 IO_THREADS = 4
-
-
-class OffloadError(RoundPipeError, RuntimeError):
-    """The disk tier cannot do what was asked (a directory it cannot use, an optimizer
-    whose state it cannot hold, an I/O error)."""
 
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
