@@ -361,9 +361,15 @@ class RoundPipe:
         model_bytes = model.element_size() if model is not None else 4
         master_bytes = (named[0][1].element_size() if named and self._state.has_masters
                         else None)
-        return host_step.estimate(optimizer, params, model_bytes, master_bytes,
-                                  self._current.plan.est_step_time_s,
-                                  predict=self.predict_weights)
+        estimate = host_step.estimate(optimizer, params, model_bytes, master_bytes,
+                                      self._current.plan.est_step_time_s,
+                                      predict=self.predict_weights)
+        how = (self.step_overlap(optimizer) if optimizer is not None else
+               "whole update: torch's AdamW (assumed) steps all its parameters at once")
+        stages = self._current.plan.stages
+        weights = sum(s.param_bytes for s in stages if s.kind in ("fwd", "fused"))
+        share = stages[0].param_bytes / weights if how == "per unit" and weights else 1.0
+        return dataclasses.replace(estimate, exact_step=how, exposed_share=share)
 
     @property
     def plans(self) -> tuple[StagePlan, ...]:

@@ -291,6 +291,11 @@ class HostStepEstimate:
     bandwidth: float        # bytes per second (STREAM triad, this process)
     seconds: float          # params * bytes_per_param / bandwidth
     device_seconds: float   # the plan's estimated device time per step
+    # How an exact step of this optimizer runs: "per unit" (pipe.step(opt): the next
+    # call waits for about ``exposed_share`` of it, the first stage's weights) or
+    # "whole update: <why>" (the next call waits for all of it).
+    exact_step: str = ""
+    exposed_share: float = 1.0
 
     @property
     def host_bound(self) -> bool:
@@ -306,7 +311,11 @@ class HostStepEstimate:
                 + f": {self.bytes_per_param:.0f} B/param x {_fmt_count(self.params)} at "
                 f"{self.bandwidth / 1e9:.1f} GB/s"
                 + ("; more tokens per step would hide it, see docs/guide.md)"
-                   if self.host_bound else ")"))
+                   if self.host_bound else ")")
+                + (f"\n  exact steps: {self.exact_step}" + (
+                    f" with pipe.step(opt), about {self.exposed_share:.0%} of it exposed"
+                    if self.exact_step == "per unit" else "")
+                   if self.exact_step else ""))
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,7 @@ BENCH = [
     ("bench/convergence.py", ["--smoke"], "final val loss"),
     ("bench/data_parallel.py", ["--smoke"], "2 replicas, bucket 1MiB"),
     ("bench/device_memory.py", ["--smoke"], "plan device_memory_bytes"),
+    ("bench/exact_step.py", ["--smoke"], "| clipped to 1.0 | per unit |"),
     ("bench/gpu_profile.py", ["--smoke"], "=== microbatches 2"),
     ("bench/hf_sweep.py", ["--smoke"], "llama"),
     ("bench/host_memory.py", ["--smoke"], "bf16-fp32-rpadamw"),

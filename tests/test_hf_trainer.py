@@ -550,3 +550,30 @@ if __name__ == "__main__":  # the resumed half of the resume test, in a fresh pr
     with open(result, "w") as f:
         json.dump({"losses": _logged(trainer, "loss")}, f)
     torch.save(trainer.model.state_dict(), os.path.join(out, "weights.pt"))
+
+
+def test_exact_steps_with_roundpipe_optim_overlap_the_next_call_and_match_trainer(
+        tmp_path, monkeypatch):
+    """RoundPipeTrainer's exact step with a roundpipe.optim optimizer takes the overlapped
+    path (pipe.step(optimizer): per-unit publish) and still logs plain Trainer's losses
+    and gradient norms."""
+    frozen = []
+    real = roundpipe.optim.AdamW.step_frozen
+
+    def counting(self, *args, **kwargs):
+        frozen.append(1)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(roundpipe.optim.AdamW, "step_frozen", counting)
+    args = dict(max_steps=3, max_grad_norm=0.5, optim="adamw_torch_fused")
+    plain = Trainer(model=_model(), args=_args(str(tmp_path / "plain"), **args),
+                    train_dataset=_rows())
+    plain.train()
+    piped = RoundPipeTrainer(model=_model(), args=_args(str(tmp_path / "pipe"), **args),
+                             train_dataset=_rows(), pipe_options=PIPE, async_step=False,
+                             optimizer_cls_and_kwargs=(roundpipe.optim.AdamW,
+                                                       dict(lr=1e-2)))
+    piped.train()
+    assert len(frozen) == 3
+    for key in ("loss", "grad_norm"):
+        want, got = _logged(plain, key), _logged(piped, key)
+        assert len(got) == 3 and max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, key

@@ -131,6 +131,16 @@ def test_torch_optimizers_and_opaque_step_fns_are_not_overlapped_and_stay_exact(
         handle = mine.register_step_post_hook(lambda *a: None)
         assert "hooks" in pipe.step_overlap(mine)
         handle.remove()
+        mine.step = lambda *a, **k: None  # replaced on the instance: never bypassed
+        assert "replaced on the instance" in pipe.step_overlap(mine)
+        del mine.step
+
+        class Custom(roundpipe.optim.AdamW):
+            def step(self, closure=None):
+                return super().step(closure)
+        assert "overrides step()" in pipe.step_overlap(
+            Custom(pipe.optim_parameters(), lr=1e-2))
+        assert pipe.step_overlap(mine) == "per unit"
     with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=None) as pipe:
         assert "no separate masters" in pipe.step_overlap(
             roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2))
@@ -186,3 +196,51 @@ def test_a_failing_overlapped_step_raises_at_step_and_changes_nothing() -> None:
         # and the next step works
         pipe.step(opt)
         fb()
+
+
+def test_the_plan_says_which_exact_step_applies() -> None:
+    with RoundPipe(_model().to(torch.bfloat16), devices=["cpu"] * 2,
+                   optim_dtype=torch.float32) as pipe:
+        x, y = _data(1)[0]
+        pipe.forward_backward(input_args=(x.to(torch.bfloat16),),
+                              label=y.to(torch.bfloat16),
+                              loss_fn=lambda o, t: F.mse_loss(o.float(), t.float()))
+        mine = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        est = pipe.host_step_estimate(mine)
+        stages = pipe.plan.stages
+        weights = sum(s.param_bytes for s in stages if s.kind in ("fwd", "fused"))
+        assert est.exact_step == "per unit"
+        assert est.exposed_share == pytest.approx(stages[0].param_bytes / weights)
+        assert 0 < est.exposed_share < 1
+        assert "per unit with pipe.step(opt)" in str(pipe.plan)
+        torch_est = pipe.host_step_estimate(torch.optim.SGD(pipe.optim_parameters(), lr=1))
+        assert torch_est.exact_step.startswith("whole update: SGD")
+        assert torch_est.exposed_share == 1.0
+
+
+def test_the_next_call_measures_the_time_it_waited_for_a_publishing_step(monkeypatch) -> None:
+    """pipe.stats().weights_wait_s: the time the call's jobs stood still for weights a
+    step had not published yet; zero without a step in flight."""
+    import time
+    real = roundpipe.optim.AdamW._update_group
+
+    def slow(self, group, pairs):
+        time.sleep(0.05)
+        return real(self, group, pairs)
+    with RoundPipe(_model().to(torch.bfloat16), devices=["cpu"] * 2,
+                   optim_dtype=torch.float32) as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        x, y = _data(1)[0]
+
+        def fb():
+            pipe.forward_backward(input_args=(x.to(torch.bfloat16),),
+                                  label=y.to(torch.bfloat16),
+                                  loss_fn=lambda o, t: F.mse_loss(o.float(), t.float()))
+            return pipe.stats().weights_wait_s
+        fb()
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))  # waited for whole
+        assert fb() == 0.0
+        monkeypatch.setattr(roundpipe.optim.AdamW, "_update_group", slow)
+        pipe.step(opt)  # five units of 50 ms, the first job waits for its own
+        waited = fb()
+        assert 0.04 <= waited <= 5.0

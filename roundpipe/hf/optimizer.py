@@ -59,6 +59,15 @@ class PipeOptimizer(torch.optim.Optimizer):
         norm = torch.zeros((), dtype=torch.float32)
         self.grad_norm = norm
         inner, max_norm, pipe = self.inner, self.max_grad_norm, self.pipe
+        if not self.is_async and pipe.step_overlap(inner) == "per unit":
+            # The exact step the next call overlaps (pipe.step(optimizer)): the clip's
+            # norm first (the whole gradient, on the optimizer thread), then the update
+            # unit by unit with the hyperparameters of now.
+            for group, values in zip(inner.param_groups, hyper):
+                group.update(values)
+            norm.copy_(pipe.clip_grad_norm_(max_norm if max_norm > 0 else float("inf")))
+            pipe.step(inner)
+            return
 
         def step_fn() -> None:  # on the pipe's optimizer thread
             for group, values in zip(inner.param_groups, hyper):

@@ -130,7 +130,17 @@ class OnePass:
     def unit_step_blocker(self, landed: LandedGrads) -> str | None:
         """Why :meth:`step_frozen` cannot step this optimizer unit by unit for the pipe
         whose masters ``landed`` binds (None: it can): every parameter must be one of
-        that pipe's masters, updated by this class's own kernel."""
+        that pipe's masters, updated by this class's own kernel, and ``step`` must be
+        this class's own (a step replaced on the instance, or overridden by a subclass,
+        would be bypassed)."""
+        own = vars(self).get("step")
+        # a learning-rate scheduler wraps step() on the instance only to record that it
+        # ran (_opt_called, which frozen_groups sets): that wrapper is not bypassed
+        if own is not None and not (getattr(own, "_wrapped_by_lr_sched", False) and
+                                    getattr(own, "__wrapped__", None) is type(self).step):
+            return "its step() is replaced on the instance, and would be bypassed"
+        if _unwrapped_step(type(self)) is not _unwrapped_step(OnePass):
+            return f"{type(self).__name__} overrides step(), which would be bypassed"
         for g in self.param_groups:  # type: ignore[attr-defined]
             for p in g["params"]:
                 owner = owner_of(p)

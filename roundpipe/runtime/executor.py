@@ -101,6 +101,11 @@ class RunStats:
     # on the device's threads (runtime/device_memory.py); empty unless measure_memory.
     stage_peak_bytes: dict[int, int] = field(default_factory=dict)
 
+    # Seconds the call's jobs stood still waiting for weights that a step in flight had
+    # not published yet (the union over devices): the part of an overlapped step the
+    # call did not hide.
+    weights_wait_s: float = 0.0
+
     @property
     def grad_bytes_downloaded(self) -> int:
         return sum(self.grad_bytes.values())
@@ -204,6 +209,10 @@ class _Call:
     # before its forward, see Stash).
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     t0: float = 0.0
+    # job index -> (start, end) of its upload's wait for the optimizer's publish, where
+    # the fence was closed; and the intervals a job stood waiting for such an upload
+    fence_waits: dict[int, tuple[float, float]] = field(default_factory=dict)
+    weight_stalls: list[tuple[float, float]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     keep: frozenset[str] = frozenset()  # more values returned per microbatch (RunResult.values)
     hooks: HookPlan = NO_HOOKS  # where the parameters' autograd hooks run
@@ -437,6 +446,7 @@ class Executor:
                         for slot, grads in (*call.param_grads.items(),
                                             *call.mb_grads.items())},
             stage_peak_bytes=self._stage_peaks(jobs),
+            weights_wait_s=_union_length(call.weight_stalls),
         )
         outputs = None
         if call.want_outputs:
@@ -563,8 +573,12 @@ class Executor:
         names = host.param_names(job.slots)
 
         def before() -> None:  # on the loader thread: wait for the optimizer's publish
+            start = time.perf_counter()
             if not host.fences.wait(names, call.fence_version, call.abort):
                 raise _Aborted()
+            end = time.perf_counter()
+            if end - start > 1e-4:  # the fence was closed: a step was publishing
+                call.fence_waits[job.index] = (start, end)
             for name in names:
                 host.fences.record("upload", name, call.fence_version)
 
@@ -677,3 +691,13 @@ def _for_compile(module: torch.nn.Module, *, fresh: bool) -> torch.nn.Module:
                 node.target = rng.uncompiled(node.target)
         module.recompile()  # type: ignore[operator]
     return module
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,13 @@ class JobRunner:
         if self.job.index not in call.weights:
             ex._start_load(call, self.job)
         self.weights = call.weights.pop(self.job.index)
+        waited = time.perf_counter()
         self.state = dict(self.weights.result())
+        fence = call.fence_waits.get(self.job.index)
+        if fence is not None:  # the part of this wait the optimizer's publish caused
+            start, end = max(waited, fence[0]), min(time.perf_counter(), fence[1])
+            if end > start:
+                call.weight_stalls.append((start, end))
         # In-place writes bump a tensor's version: finish() commits any buffer the
         # programs wrote that the trace did not show (an opaque module's own code).
         self.versions = {slot: t._version for slot, t in self.state.items()
