@@ -244,3 +244,45 @@ def test_the_next_call_measures_the_time_it_waited_for_a_publishing_step(monkeyp
         pipe.step(opt)  # five units of 50 ms, the first job waits for its own
         waited = fb()
         assert 0.04 <= waited <= 5.0
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_taken_while_the_overlapped_step_runs_resumes_bitwise(
+        tmp_path, sharded) -> None:
+    """save_checkpoint right after pipe.step(opt) (the step may still be updating) saves
+    the step's result; a fresh pipe loaded from it continues bitwise as the run would."""
+    from roundpipe import load_checkpoint, save_checkpoint
+    base = _model().to(torch.bfloat16)
+    data = _data(5)
+
+    def fb(pipe, x, y):
+        return pipe.forward_backward(
+            input_args=(x.to(torch.bfloat16),), label=y.to(torch.bfloat16),
+            loss_fn=lambda o, t: F.mse_loss(o.float(), t.float()))
+
+    def make(model, devices):
+        return RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
+                         model_run_config=RoundPipeRunConfig(num_microbatch=3))
+
+    path = tmp_path / ("ckpt" if sharded else "ckpt.pt")
+    with make(copy.deepcopy(base), 1) as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        losses = []
+        for i, (x, y) in enumerate(data):
+            losses.append(fb(pipe, x, y))
+            pipe.step(opt)
+            if i == 2:
+                save_checkpoint(path, pipe, opt, sharded=sharded)
+        pipe.synchronize()
+        want = {k: v.clone() for k, v in pipe.state_dict().items()}
+    with make(copy.deepcopy(base), 3) as pipe:
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        load_checkpoint(path, pipe, opt)
+        resumed = []
+        for x, y in data[3:]:
+            resumed.append(fb(pipe, x, y))
+            pipe.step(opt)
+        pipe.synchronize()
+        got = pipe.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(losses[3:], resumed))
+    assert all(torch.equal(want[k], got[k]) for k in want)
