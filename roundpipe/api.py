@@ -9,27 +9,27 @@ import inspect
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
-from .backprop import GradRequest, attach_backward
-from .loss import mark_loss_fn_error, returned_loss
+from .backprop import GradRequest, attach_backward, refuse_hooks_split_by_microbatches
+from .loss import mark_loss_fn_error, returned_loss, sum_losses
 from . import current
-from .compiler import Analysis, PlanOptions, analyze, make_plan
+from .compiler import PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
-from .errors import (ConfigError, InputError, MergeError, ModelError, ParameterHookError,
-                     RoundPipeError, StageError, StepError, TraceError,
-                     UnknownConfigFieldError, unknown_options_message)
+from .dtype_diagnosis import diagnose_dtypes, dtype_mismatch
+from .errors import (ConfigError, InputError, ModelError, RoundPipeError, StepError,
+                     TraceError, UnknownConfigFieldError, unknown_options_message)
+from .merged_outputs import merge_plan, merged_outputs, output_columns, tail_values
 from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
 from .passes.dtype_check import mixed_dtype_op
-from .passes.output_merge import plan_output_merge
 from .passes.trace import describe_tensors, refuse_unrunnable_example
 from . import host_step
-from .plan import HostStepEstimate, InputSignature, OutputMergePlan, StagePlan
+from .plan import HostStepEstimate, StagePlan
+from .programs import CompiledProgram, plan_key, tracing_autocast
 from .runtime.call import autocast_state, memory_budget, microbatch_keys
 from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
@@ -40,56 +40,15 @@ from .runtime import optimizer_check
 from .runtime.masters import raw_grad
 from .runtime.host_memory import DeviceCopies, HostMemory, host_memory
 from .runtime.host_state import HostState, ModelState
-from .runtime.microbatch import (MergeColumn, batch_size_of, check_on_cpu, input_path,
-                                 merge_columns, merge_rules, merged_value, output_names,
-                                 run_tail,
-                                 split_inputs, split_label)
+from .runtime.microbatch import (batch_size_of, check_on_cpu, merged_value, split_inputs,
+                                 split_label)
 from .runtime.data_parallel import DataParallel, DataParallelConfig, DataParallelInfo
 from .runtime.optimizer import OptimizerWorker
 from .runtime import param_hooks
 from .ops.rng import RngKey
-from .runtime.signature import flat_leaves, flatten_inputs, leading_size, matches
+from .runtime.signature import flatten_inputs, leading_size, matches
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _tracing_autocast(kind: str, autocast: tuple[str, torch.dtype] | None) -> Iterator[None]:
-    """Trace in the autocast state the calls of the program run in: the model's own code
-    may branch on a dtype autocast decides (``if h.dtype != torch.float32``), and a
-    program traced without autocast would take the float32 branch under bf16.  Tracing
-    runs on the CPU, so a CUDA caller's state is traced as CPU autocast of the same dtype;
-    the ops stay autocast-implicit in the graph and run under the caller's autocast."""
-    with contextlib.ExitStack() as stack:
-        for device_type in dict.fromkeys((kind, "cpu")):
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-        if autocast is not None:
-            stack.enter_context(torch.autocast("cpu", dtype=autocast[1]))
-        yield
-
-
-@dataclass
-class _Compiled:
-    """One compiled program with its executor (a model may have several: new shapes,
-    train/eval mode), and its plans by memory cap (a per-call ``memory_fraction``
-    re-partitions without tracing)."""
-
-    plan: StagePlan
-    host: HostState
-    executor: Executor
-    training: tuple[bool, ...]
-    analysis: Analysis
-    autocast: tuple[str, torch.dtype] | None  # the callers' autocast when traced
-    # The grad mode traced in: a pipe(x) under no_grad gets a program of its own, since
-    # model code may branch on grad mode (nn.MultiheadAttention's fast path).
-    grad: bool = True
-    # Output merge plans by the way calls split the inputs (value -> dim).
-    merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
-    # Plans (and their executors) by (memory cap, num_microbatch, recompute grain).
-    by_cap: dict[tuple, tuple[StagePlan, Executor]] = field(default_factory=dict)
-    # The plan as users see it (with its host step), by (plan, bound optimizer): the
-    # same object until either changes.
-    shown: tuple[tuple[int, int], StagePlan] | None = None
 
 
 class RoundPipe:
@@ -283,13 +242,13 @@ class RoundPipe:
         if self._state.has_masters:
             optimizer_check.watch_outside_steps(self._state)
         self._optimizer = OptimizerWorker(self._state)
-        self._compiled: list[_Compiled] = []
+        self._compiled: list[CompiledProgram] = []
         # Gradient download buffers, shared by every program's executor (see Executor).
         self._landing = GradLanding(steps=self._optimizer.pending_steps,
                                     busy=self._state.landed.busy, sets=landing_buffers)
         self._state.landed.serial = self._optimizer.run
         self._state.landed.on_step_thread = lambda: self._optimizer.on_worker
-        self._current: _Compiled | None = None
+        self._current: CompiledProgram | None = None
         self._calls = 0
         self._stats: RunStats | None = None
         self._lock = threading.RLock()
@@ -307,14 +266,14 @@ class RoundPipe:
         if not isinstance(example_args, tuple):
             example_args = (example_args,)
         cfg = self._config(None)
-        with self._diagnose_dtypes(example_args, dict(example_kwargs or {}), call=False):
+        with diagnose_dtypes(self.model, example_args, dict(example_kwargs or {}), call=False):
             mbs = split_inputs(example_args, dict(example_kwargs or {}), cfg.num_microbatch,
                                cfg.split_input)
             entry = self._compiled_for(mbs, example_args, dict(example_kwargs or {}), cfg)
         # An input of another dtype than the weights traces fine and fails at the first
         # call: say so now, while the example is at hand.
         traced = entry.analysis.traced
-        hint = _dtype_mismatch(self.model, example_args, dict(example_kwargs or {}))
+        hint = dtype_mismatch(self.model, example_args, dict(example_kwargs or {}))
         mixed = mixed_dtype_op(traced.graph_module.graph) if traced is not None else None
         if hint is not None and mixed is not None:
             where = mixed.meta.get("roundpipe.module_path")
@@ -381,7 +340,7 @@ class RoundPipe:
 
     def _compiled_for(self, mbs: list[tuple[tuple[Any, ...], dict[str, Any]]],
                       full_args: tuple[Any, ...], full_kwargs: dict[str, Any],
-                      cfg: ResolvedRunConfig, grad: bool = True) -> _Compiled:
+                      cfg: ResolvedRunConfig, grad: bool = True) -> CompiledProgram:
         training = self._training_flags()
         autocast = self._autocast()
         cap = self._memory_cap(cfg)
@@ -400,7 +359,7 @@ class RoundPipe:
         if self._compiled:
             log.info("roundpipe: recompiling %s for a new input signature or mode",
                      type(self.model).__name__)
-        with _tracing_autocast(self.devices[0].torch_device.type, autocast):
+        with tracing_autocast(self.devices[0].torch_device.type, autocast):
             try:
                 analysis = analyze(self.model, example[0], example[1],
                                    cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
@@ -436,7 +395,7 @@ class RoundPipe:
         if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
             pin_host_state(self._state, host, self.pin_memory)
         executor = Executor(plan, host, self.devices, self._landing, self.compile_units)
-        entry = _Compiled(plan, host, executor, training, analysis, autocast, grad=grad)
+        entry = CompiledProgram(plan, host, executor, training, analysis, autocast, grad=grad)
         entry.by_cap[(cap, cfg.num_microbatch, cfg.recompute_grain)] = (entry.plan,
                                                                          entry.executor)
         self._compiled.append(entry)
@@ -464,12 +423,12 @@ class RoundPipe:
             self._caps[cfg.memory_fraction] = memory_budget(self.devices, cfg.memory_fraction)
         return self._caps[cfg.memory_fraction]
 
-    def _use_cap(self, entry: _Compiled, cap: int | None, cfg: ResolvedRunConfig) -> None:
+    def _use_cap(self, entry: CompiledProgram, cap: int | None, cfg: ResolvedRunConfig) -> None:
         """Make ``entry.plan`` the plan for this call's memory cap, microbatch count and
         recompute grain (``pipe.plan`` is the most recent call's, per-call overrides
         included), partitioning again without tracing where none exists yet."""
         key = (cap, cfg.num_microbatch, cfg.recompute_grain)
-        if _plan_key(entry.plan, cfg.recompute_grain) == key:
+        if plan_key(entry.plan, cfg.recompute_grain) == key:
             return
         if key not in entry.by_cap:
             a = entry.analysis
@@ -543,12 +502,12 @@ class RoundPipe:
             num_devices=len(self.devices), num_microbatch=plan.num_microbatch,
             device_model=self.device_model,
             memory_cap=self.memory_cap if "memory_cap" in options else plan.memory_cap,
-            num_stages=self.num_stages, recompute_grain=_plan_key(plan, "stage")[2]),
+            num_stages=self.num_stages, recompute_grain=plan_key(plan, "stage")[2]),
             notes=plan.notes)
         entry.plan = new
         entry.executor = Executor(new, entry.host, self.devices, self._landing,
                                   self.compile_units)
-        entry.by_cap = {_plan_key(new, "stage"): (entry.plan, entry.executor)}
+        entry.by_cap = {plan_key(new, "stage"): (entry.plan, entry.executor)}
         return self.plan if self._current is entry else new
 
     # --- calls ---------------------------------------------------------------------------
@@ -578,7 +537,7 @@ class RoundPipe:
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  cfg: ResolvedRunConfig, grad: bool = True
-                 ) -> tuple[_Compiled, list[dict[str, Any]], list[tuple[tuple, dict]]]:
+                 ) -> tuple[CompiledProgram, list[dict[str, Any]], list[tuple[tuple, dict]]]:
         self._check_open()
         check_on_cpu((args, kwargs), "input")
         mbs = split_inputs(args, kwargs, cfg.num_microbatch, cfg.split_input)
@@ -632,7 +591,7 @@ class RoundPipe:
         if not isinstance(input_args, tuple):
             input_args = (input_args,)
         input_kwargs = dict(input_kwargs or {})
-        with self._lock, self._diagnose_dtypes(input_args, input_kwargs), \
+        with self._lock, diagnose_dtypes(self.model, input_args, input_kwargs), \
                 self._replica_call() as dp_call:
             cfg = self._config(run_config)
             if reduction == "mean":
@@ -640,8 +599,8 @@ class RoundPipe:
             self._optimizer.raise_if_failed()
             check_on_cpu(label, "label")
             entry, flat, mbs = self._prepare(input_args, input_kwargs, cfg)
-            plan = self._output_merge(entry, input_args, input_kwargs, mbs, cfg,
-                                      strict=False) if return_outputs else None
+            plan = merge_plan(entry, input_args, input_kwargs, mbs, cfg,
+                              strict=False) if return_outputs else None
             batch = batch_size_of(input_args, input_kwargs) if cfg.split_input is None else -1
             labels = split_label(label, cfg.num_microbatch, batch, cfg.split_label)
             # eager's reference is the per-microbatch loop: one backward per microbatch
@@ -651,8 +610,8 @@ class RoundPipe:
                 flat, labels, loss_fn, grain=cfg.recompute_grain, want_outputs=return_outputs,
                 keys=self._keys(cfg), fence_version=self._state.fences.target,
                 autocast=self._autocast(), nonfinite_loss_ok=self._nonfinite_loss_ok,
-                on_grads=on_grads, keep=_tail_values(plan), hooks=hooks)
-            loss = _sum_losses(result.losses)
+                on_grads=on_grads, keep=tail_values(plan), hooks=hooks)
+            loss = sum_losses(result.losses)
             if dp_call is not None:
                 # A failed step here must fail the call on every replica, before any commits.
                 self._optimizer.wait()
@@ -662,42 +621,8 @@ class RoundPipe:
                 self._sync_replica_buffers(entry)
             loss = returned_loss(loss)
             if return_outputs:
-                return loss, self._merged(entry, result, mbs, cfg, plan)
+                return loss, merged_outputs(entry, result, mbs, cfg, plan)
             return loss
-
-    @contextlib.contextmanager
-    def _diagnose_dtypes(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                         call: bool = True) -> Iterator[None]:
-        """Turn a failure caused by inputs of another dtype than the model into a clear
-        InputError.  Only on failure: many models cast their inputs themselves.  A call
-        whose inputs the model cannot run (a wrong shape) is one InputError too."""
-        try:
-            yield
-        except TraceError as e:
-            cause = getattr(e, "example_cause", None)
-            if call and cause is not None and _dtype_mismatch(self.model, args, kwargs) is None:
-                error = InputError(
-                    f"{type(self.model).__name__} cannot run this call's inputs "
-                    f"({describe_tensors(args, kwargs)}): {cause}")
-                error.original = e  # type: ignore[attr-defined]
-                raise error from None
-            self._diagnose_dtype_error(e, args, kwargs)
-            raise
-        except StageError as e:
-            self._diagnose_dtype_error(e, args, kwargs)
-            raise
-
-    def _diagnose_dtype_error(self, e: RoundPipeError, args: tuple[Any, ...],
-                              kwargs: dict[str, Any]) -> None:
-        """Raise the InputError that says ``e`` came from an input's dtype, if it did."""
-        hint = _dtype_mismatch(self.model, args, kwargs)
-        if hint is None or not _mentions_dtype(e):
-            return
-        # Raised from here, not chained: the cause is one line of the message (and
-        # ``error.original`` for whoever wants the whole story).
-        error = InputError(f"{hint}; the call failed with: {_root_line(e)}")
-        error.original = e  # type: ignore[attr-defined]
-        raise error from None
 
     @contextlib.contextmanager
     def _replica_call(self) -> Iterator[Any]:
@@ -714,7 +639,7 @@ class RoundPipe:
             call.fail(e)
             raise
 
-    def _sync_replica_buffers(self, entry: _Compiled) -> None:
+    def _sync_replica_buffers(self, entry: CompiledProgram) -> None:
         program = entry.plan.program
         self._dp.sync_buffers(entry.host, program.units,  # type: ignore[union-attr]
                               program.buffer_updates)
@@ -725,14 +650,14 @@ class RoundPipe:
         pipe is not data-parallel."""
         return self._dp.info if self._dp is not None else None
 
-    def _hooks(self, entry: _Compiled, *, per_microbatch: bool) -> param_hooks.HookPlan:
+    def _hooks(self, entry: CompiledProgram, *, per_microbatch: bool) -> param_hooks.HookPlan:
         """Where this call runs the hooks on the parameters, read now (runtime/
         param_hooks.py); refuses, before anything runs, hooks it cannot run exactly."""
         return param_hooks.plan_hooks(entry.host, entry.plan.program,
                                       per_microbatch=per_microbatch,
                                       data_parallel=self._dp is not None)
 
-    def _finish(self, entry: _Compiled, result: RunResult, *, count_call: bool = True,
+    def _finish(self, entry: CompiledProgram, result: RunResult, *, count_call: bool = True,
                 hooks: param_hooks.HookPlan = param_hooks.NO_HOOKS) -> None:
         """Commit a successful call: gradients and buffer updates into host state."""
         # Gradients may only land once the optimizer has finished reading them.
@@ -753,108 +678,6 @@ class RoundPipe:
         # On the optimizer thread: an interrupt of the caller cannot tear the commit.
         self._optimizer.run(commit)
 
-    def _output_merge(self, entry: _Compiled, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      mbs: list, cfg: ResolvedRunConfig, strict: bool = True
-                      ) -> OutputMergePlan | None:
-        """How this call's outputs merge exactly (passes/output_merge.py), checked before
-        the call runs; None where the user's ``merge_output`` decides, or for one
-        microbatch (nothing to merge).  ``strict``: an output with no exact merge is an
-        error (``pipe(x)``); else it keeps per-microbatch results, concatenated (the
-        outputs of ``forward_backward``, whose loss is per microbatch too)."""
-        if cfg.merge_output is not None or len(mbs) == 1:
-            return None
-        program = entry.plan.program
-        split = _split_dims(program.inputs, (args, kwargs), mbs[0])
-        key = tuple(sorted(split.items(), key=str))
-        plan = entry.merge_plans.get(key)
-        if plan is None:
-            available = frozenset(v for u in program.units for v in u.outputs) | frozenset(
-                n for n in program.inputs.names if n is not None)
-            plan = plan_output_merge(entry.analysis.traced, split, available)
-            entry.merge_plans[key] = plan
-        if plan.tail is not None:
-            plan = _tail_within_guards(plan, program.inputs, (args, kwargs), split)
-        refused = [(j, r) for j, r in enumerate(plan.rules) if r.kind == "none"]
-        if (refused or plan.state_refusal) and strict:
-            n = len(mbs)
-            facts = []
-            if refused:
-                names = output_names(program.out_spec, len(program.outputs))
-                j, rule = refused[0]
-                facts.append(
-                    f"{names[j]} cannot be put back together from {n} microbatches exactly: "
-                    f"{rule.reason}. Eager PyTorch computes it on the whole batch; merging "
-                    "microbatch results would give another number")
-            if plan.state_refusal:
-                # A buffer write: eager makes it once per call (refused before anything runs).
-                facts.append(
-                    ("Also, " if refused else f"this call cannot run as {n} microbatches "
-                     "exactly: ") + f"{plan.state_refusal}. Eager PyTorch writes it once per "
-                    f"call, on the whole batch; each of the {n} microbatches would write it "
-                    "again. Nothing was run or written")
-            raise MergeError(
-                ". ".join(facts) + ". Ways out: num_microbatch=1 for this call (exact); "
-                + ("model.eval() if the write happens only in training mode (BatchNorm's "
-                   "running statistics); " if plan.state_refusal else "")
-                + "forward_backward(), whose loss is the sum of per-microbatch losses (and "
-                "whose buffer writes are per microbatch) by definition; or, if "
-                "per-microbatch results are what you want, RoundPipeRunConfig("
-                "merge_output=...): 0 concatenates along dim 0, 'sum' adds, 'first' keeps "
-                "the first microbatch's, or a pytree of those per output, or a callable "
-                "over the list of per-microbatch outputs (buffers are then written per "
-                "microbatch too)")
-        return plan
-
-    def _merge_columns(self, entry: _Compiled, result: RunResult, mbs: list,
-                       cfg: ResolvedRunConfig, plan: OutputMergePlan | None
-                       ) -> tuple[list[MergeColumn], Callable[[list[Any]], Any]]:
-        """The values to merge (columns) and how the outputs are built from them."""
-        program = entry.plan.program
-        outputs = result.outputs or []
-        device = cfg.output_device
-        if plan is None:  # the user's merge spec, or one microbatch
-            per_mb = [pytree.tree_unflatten(o, program.out_spec) for o in outputs]
-            sizes = [leading_size(a, k) for a, k in mbs]
-            rules = merge_rules(per_mb, sizes, cfg.merge_output)
-            columns = [MergeColumn(ref.value, rule, [o[j] for o in outputs])
-                       for j, (ref, rule) in enumerate(zip(program.outputs, rules))]
-            return columns, lambda values: pytree.tree_unflatten(values, program.out_spec)
-        direct, tail_inputs = merge_columns(plan, outputs, result.values, program.outputs,
-                                            device)
-        if any(r.kind == "none" for r in plan.rules):  # per-microbatch results (not strict)
-            per_mb = [pytree.tree_unflatten(o, program.out_spec) for o in outputs]
-            sizes = [leading_size(a, k) for a, k in mbs]
-            fallback = merge_rules(per_mb, sizes, None)
-            direct = [MergeColumn(ref.value, fallback[j], [o[j] for o in outputs])
-                      if rule.kind == "none" else c
-                      for j, (ref, rule, c) in enumerate(zip(program.outputs, plan.rules,
-                                                             direct))]
-        columns = [c for c in direct if c is not None] + tail_inputs
-        tail = plan.tail
-
-        def build(values: list[Any]) -> Any:
-            flat: list[Any] = []
-            it = iter(values[:len(columns) - len(tail_inputs)])
-            for c in direct:
-                flat.append(None if c is None else next(it))
-            if tail is not None:
-                state = {slot: entry.host.tensors[slot] for slot in tail.program.state}
-                for j, value in zip(tail.outputs,
-                                    run_tail(tail, values[len(values) - len(tail_inputs):],
-                                             state, device)):
-                    flat[j] = value
-            return pytree.tree_unflatten(flat, program.out_spec)
-        return columns, build
-
-    def _merged(self, entry: _Compiled, result: RunResult, mbs: list, cfg: ResolvedRunConfig,
-                plan: OutputMergePlan | None) -> Any:
-        if callable(cfg.merge_output):
-            outputs = [pytree.tree_unflatten(o, entry.plan.program.out_spec)
-                       for o in result.outputs or []]
-            return cfg.merge_output(outputs)
-        columns, build = self._merge_columns(entry, result, mbs, cfg, plan)
-        return build([merged_value(c, cfg.output_device) for c in columns])
-
     def forward(self, *args: Any, run_config: RoundPipeRunConfig | None = None,
                 **kwargs: Any) -> Any:
         """Pipelined forward; outputs are merged on ``output_device`` (CPU by default).
@@ -864,7 +687,7 @@ class RoundPipe:
         the same gradients as :meth:`forward_backward`.
         """
         current.called(self)
-        with self._lock, self._diagnose_dtypes(tuple(args), dict(kwargs)):
+        with self._lock, diagnose_dtypes(self.model, tuple(args), dict(kwargs)):
             cfg = self._config(run_config)
             self._optimizer.raise_if_failed()
             record = cfg.requires_grad if cfg.requires_grad is not None \
@@ -872,36 +695,25 @@ class RoundPipe:
             entry, flat, mbs = self._prepare(tuple(args), dict(kwargs), cfg, record)
             if record:  # refused now rather than at backward(), where they are read again
                 self._hooks(entry, per_microbatch=False)
-            hooks = entry.plan.program.tensor_hooks
-            if record and len(mbs) > 1 and hooks:
-                raise ModelError(
-                    f"{type(self.model).__name__}'s forward registers a tensor hook in "
-                    f"{hooks[0]}; split into {len(mbs)} microbatches, a hook runs once "
-                    "per microbatch on that microbatch's gradient, where eager PyTorch "
-                    "runs it once on the whole batch's (a hook that counts, or mixes "
-                    "samples, would differ). Ways out: num_microbatch=1 for this call "
-                    "(RoundPipeRunConfig(num_microbatch=1), exact), or "
-                    "forward_backward(), which is eager's per-microbatch loop by "
-                    "definition")
             if record and len(mbs) > 1:
-                _refuse_split_module_backward_hooks(self.model, len(mbs))
+                refuse_hooks_split_by_microbatches(self.model, entry.plan.program, len(mbs))
             if record and callable(cfg.merge_output):
                 raise ConfigError(
                     "a callable merge_output cannot be differentiated through; use a merge "
                     "spec, forward_backward(), or run forward() under torch.no_grad()")
-            plan = self._output_merge(entry, tuple(args), dict(kwargs), mbs, cfg)
+            plan = merge_plan(entry, tuple(args), dict(kwargs), mbs, cfg)
             keys = self._keys(cfg)
             version = self._state.fences.target
             result = entry.executor.forward(flat, record=record, grain=cfg.recompute_grain,
                                             keys=keys, fence_version=version,
                                             autocast=self._autocast(),
-                                            keep=_tail_values(plan),
+                                            keep=tail_values(plan),
                                             fresh_state=frozenset(plan.per_call_state)
                                             if plan is not None else frozenset())
             self._finish(entry, result)
             if not record:
-                return self._merged(entry, result, mbs, cfg, plan)
-            columns, build = self._merge_columns(entry, result, mbs, cfg, plan)
+                return merged_outputs(entry, result, mbs, cfg, plan)
+            columns, build = output_columns(entry, result, mbs, cfg, plan)
             merged = [merged_value(c, cfg.output_device) for c in columns]
             # requires_grad=True records even under torch.no_grad(), as asked.
             program = entry.plan.program
@@ -915,7 +727,7 @@ class RoundPipe:
 
     __call__ = forward
 
-    def _backward_runner(self, entry: _Compiled, forward: RunResult, cfg: ResolvedRunConfig,
+    def _backward_runner(self, entry: CompiledProgram, forward: RunResult, cfg: ResolvedRunConfig,
                          keys: list[RngKey | None]
                          ) -> Callable[[list[dict[str, torch.Tensor]], GradRequest], RunResult]:
         """What ``loss.backward()`` through this forward runs: the backward jobs from the
@@ -942,7 +754,7 @@ class RoundPipe:
                     stash[0], output_grads, grain=cfg.recompute_grain, keys=keys,
                     fence_version=version, autocast=autocast, on_grads=on_grads,
                     hooks=hooks, only=request.only if dp_call is None else None)
-                _refuse_unreached_hooked(entry, request, result)
+                param_hooks.refuse_unreached(entry.host, request.handed, result.param_grads)
                 self._optimizer.wait()
                 if dp_call is not None:  # all-reduced across replicas before anything commits
                     dp_call.complete(result, None)
@@ -1352,154 +1164,3 @@ def _users_config(configs: Sequence[Any]) -> Iterator[None]:
     finally:
         for config in switched:
             config.use_cache = False
-
-
-def _dtype_mismatch(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                    ) -> str | None:
-    """Describe floating inputs whose dtype no floating parameter has, if any."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if not dtypes:
-        return None
-    wanted = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and \
-                leaf.dtype not in dtypes:
-            got = str(leaf.dtype).replace("torch.", "")
-            return (f"{input_path(path)} is {got} but the model's parameters are "
-                    f"{wanted}: cast the input (x.to(torch.{wanted.split(', ')[0]})) or run "
-                    f"the call under torch.autocast")
-    return None
-
-
-def _mentions_dtype(e: BaseException) -> bool:
-    while e is not None:
-        text = str(e).lower()
-        if "dtype" in text or "scalar type" in text:
-            return True
-        e = e.__cause__  # type: ignore[assignment]
-    return False
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
-
-
-def _root_line(e: BaseException) -> str:
-    """The first line of the innermost error that mentions a dtype (the op's own words,
-    not the tracer's summary of them)."""
-    found = e
-    while e is not None:
-        if "dtype" in str(e).lower() or "scalar type" in str(e).lower():
-            found = e
-        e = e.__cause__  # type: ignore[assignment]
-    return f"{type(found).__name__}: {_first_line(found)}"
-
-
-def _sum_losses(losses: list[torch.Tensor | None]) -> torch.Tensor:
-    values = [l for l in losses if l is not None]
-    if not values:
-        return torch.tensor(0.0)
-    dtype = values[0].dtype
-    acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    total = values[0].to(acc_dtype).reshape(())
-    for v in values[1:]:
-        total = total + v.to(acc_dtype).reshape(())
-    return total
-
-
-
-
-def _plan_key(plan: StagePlan, grain: str) -> tuple:
-    """(memory cap, num_microbatch, recompute grain) a plan was made for (a plan with no
-    backward stage shows no grain: any will do)."""
-    shown = next((s.recompute for s in plan.stages if s.kind == "bwd"), grain)
-    return plan.memory_cap, plan.num_microbatch, shown
-
-
-
-def _refuse_unreached_hooked(entry: _Compiled, request: GradRequest,
-                             result: RunResult) -> None:
-    """A hooked parameter whose gradient goes to autograd (no masters) but that this
-    backward did not reach (it feeds only outputs the loss ignores): autograd would call
-    its hooks with None, where eager does not call them. Refused before any commit."""
-    missing = [entry.host.specs[s].fqn for s in sorted(request.handed)
-               if not result.param_grads.get(s)]
-    if missing:
-        raise ParameterHookError(
-            f"parameter {missing[0]!r}" + (f" (and {len(missing) - 1} more)"
-                                           if len(missing) > 1 else "")
-            + " has hooks but gets no gradient from this backward through the pipe (it "
-            "feeds only outputs the loss does not use); roundpipe hands a hooked "
-            "parameter's gradient to autograd, which would call its hooks with None, "
-            "where eager PyTorch does not call them. Nothing was committed. Remove those "
-            "hooks for this backward, or use optim_dtype masters (the hooks then run at "
-            "roundpipe's commit, on the parameters that got a gradient)")
-
-
-def _refuse_split_module_backward_hooks(model: torch.nn.Module, microbatches: int) -> None:
-    """``pipe(x)`` + ``backward()`` is one eager backward of the whole batch: a module
-    backward hook (its module kept opaque) would run once per microbatch instead, on that
-    microbatch's gradients."""
-    hooked = [name for name, m in model.named_modules()
-              if name and (m._backward_hooks or m._backward_pre_hooks)]
-    if hooked:
-        raise ModelError(
-            f"module '{hooked[0]}'" + (f" (and {len(hooked) - 1} more)" if len(hooked) > 1
-                                       else "")
-            + f" has a module backward hook; split into {microbatches} microbatches, it "
-            "would run once per microbatch on that microbatch's gradients, where eager "
-            "PyTorch runs it once on the whole batch's. Ways out: num_microbatch=1 for "
-            "this call (RoundPipeRunConfig(num_microbatch=1), exact), or "
-            "forward_backward(), which is eager's per-microbatch loop by definition")
-
-def _tail_values(plan: OutputMergePlan | None) -> frozenset[str]:
-    """The values an output tail reads, kept per microbatch by the executor."""
-    if plan is None or plan.tail is None:
-        return frozenset()
-    return frozenset(value for value, _, _ in plan.tail.inputs)
-
-
-def _tail_within_guards(plan: OutputMergePlan, sig: InputSignature,
-                        full: tuple[tuple[Any, ...], dict[str, Any]],
-                        split: dict[str, int | None]) -> OutputMergePlan:
-    """The output tail reruns part of the program on the whole batch; the trace may have
-    fixed or bounded the batch dimension (``x[:3]`` traced at a microbatch of 2 is no slice
-    at all), so a whole batch outside those guards cannot run it: such outputs are
-    refused rather than computed by a program made for other shapes."""
-    for name, value, spec in zip(sig.names, flat_leaves(sig, *full) or [], sig.static):
-        d = split.get(name) if name is not None else None
-        if d is None or not isinstance(value, torch.Tensor) or not (
-                isinstance(spec, tuple) and len(spec) == 3 and spec[0] == "tensor"):
-            continue
-        size, bound = value.shape[d], spec[2][d]
-        fixed = isinstance(bound, int) and bound != size
-        outside = isinstance(bound, tuple) and (size < bound[0] or (
-            bound[1] is not None and size > bound[1]))
-        if fixed or outside:
-            reason = (f"it is recomputed on the whole batch after the pipeline, but the "
-                      f"program was traced for {name}'s dimension {d} "
-                      f"{'fixed at' if fixed else 'within'} {bound} (the trace specialised "
-                      f"on the microbatch's size), and the whole batch has {size}")
-            rules = tuple(dataclasses.replace(r, kind="none", reason=reason)
-                          if r.kind == "tail" else r for r in plan.rules)
-            return dataclasses.replace(plan, rules=rules, tail=None)
-    return plan
-
-
-def _split_dims(sig: InputSignature, full: tuple[tuple[Any, ...], dict[str, Any]],
-                first: tuple[tuple[Any, ...], dict[str, Any]]) -> dict[str, int | None]:
-    """Which program inputs a call split, and along which dimension (None: split in a way
-    that is not one dimension), read off the whole inputs and the first microbatch's."""
-    whole = flat_leaves(sig, *full) or []
-    piece = flat_leaves(sig, *first) or []
-    split: dict[str, int | None] = {}
-    for name, a, b in zip(sig.names, whole, piece):
-        if name is None or a is b:
-            continue
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim():
-            dims = [d for d in range(a.dim()) if a.shape[d] != b.shape[d]]
-            split[name] = dims[0] if len(dims) == 1 else None
-        else:
-            split[name] = None
-    return split

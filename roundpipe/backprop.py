@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from .errors import ParameterHookError
+from .errors import ModelError, ParameterHookError
 from .runtime.call import GradTarget, PipelinedCall, pipelined
 from .runtime.host_state import fold_unit_grads
 from .runtime.microbatch import MergeColumn, join_input_grad
@@ -188,3 +188,32 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]], GradR
     for j, out in zip(values, outs):
         result[j] = out
     return build(result)
+
+
+def refuse_hooks_split_by_microbatches(model: torch.nn.Module, program: ModelProgram,
+                                       microbatches: int) -> None:
+    """``pipe(x)`` + ``backward()`` is one eager backward of the whole batch: a tensor hook
+    the forward registers, or a module backward hook (its module kept opaque), would run
+    once per microbatch instead, on that microbatch's gradients."""
+    hooks = program.tensor_hooks
+    if hooks:
+        raise ModelError(
+            f"{type(model).__name__}'s forward registers a tensor hook in "
+            f"{hooks[0]}; split into {microbatches} microbatches, a hook runs once "
+            "per microbatch on that microbatch's gradient, where eager PyTorch "
+            "runs it once on the whole batch's (a hook that counts, or mixes "
+            "samples, would differ). Ways out: num_microbatch=1 for this call "
+            "(RoundPipeRunConfig(num_microbatch=1), exact), or "
+            "forward_backward(), which is eager's per-microbatch loop by "
+            "definition")
+    hooked = [name for name, m in model.named_modules()
+              if name and (m._backward_hooks or m._backward_pre_hooks)]
+    if hooked:
+        raise ModelError(
+            f"module '{hooked[0]}'" + (f" (and {len(hooked) - 1} more)" if len(hooked) > 1
+                                       else "")
+            + f" has a module backward hook; split into {microbatches} microbatches, it "
+            "would run once per microbatch on that microbatch's gradients, where eager "
+            "PyTorch runs it once on the whole batch's. Ways out: num_microbatch=1 for "
+            "this call (RoundPipeRunConfig(num_microbatch=1), exact), or "
+            "forward_backward(), which is eager's per-microbatch loop by definition")

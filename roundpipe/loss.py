@@ -49,6 +49,20 @@ def returned_loss(loss: torch.Tensor) -> torch.Tensor:
     return loss.as_subclass(ForwardBackwardLoss)
 
 
+def sum_losses(losses: list[torch.Tensor | None]) -> torch.Tensor:
+    """The call's loss: the microbatches' losses added in microbatch order, in float32 for
+    half-precision losses (their sum would round at every addition); 0 for none."""
+    values = [l for l in losses if l is not None]
+    if not values:
+        return torch.tensor(0.0)
+    dtype = values[0].dtype
+    acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    total = values[0].to(acc_dtype).reshape(())
+    for v in values[1:]:
+        total = total + v.to(acc_dtype).reshape(())
+    return total
+
+
 def mark_loss_fn_error(error: BaseException, *, label_given: bool) -> None:
     """Mark an exception ``loss_fn`` raised: the executor then names ``loss_fn`` (and the
     microbatch and device) rather than the stage it ran after, as the model ran fine."""

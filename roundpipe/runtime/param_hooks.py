@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -138,6 +138,24 @@ def plan_hooks(host: HostState, program: ModelProgram, *, per_microbatch: bool,
             "before it. Remove the hooks, or apply them in the function passed to "
             "pipe.step")
     return HookPlan(on_device, frozenset(per_mb), frozenset(at_commit))
+
+
+def refuse_unreached(host: HostState, handed: Iterable[str],
+                     param_grads: Mapping[str, Any]) -> None:
+    """A hooked parameter whose gradient goes to autograd (no masters) but that this
+    backward did not reach (it feeds only outputs the loss ignores): autograd would call
+    its hooks with None, where eager does not call them. Refused before any commit."""
+    missing = [host.specs[s].fqn for s in sorted(handed) if not param_grads.get(s)]
+    if missing:
+        raise ParameterHookError(
+            f"parameter {missing[0]!r}" + (f" (and {len(missing) - 1} more)"
+                                           if len(missing) > 1 else "")
+            + " has hooks but gets no gradient from this backward through the pipe (it "
+            "feeds only outputs the loss does not use); roundpipe hands a hooked "
+            "parameter's gradient to autograd, which would call its hooks with None, "
+            "where eager PyTorch does not call them. Nothing was committed. Remove those "
+            "hooks for this backward, or use optim_dtype masters (the hooks then run at "
+            "roundpipe's commit, on the parameters that got a gradient)")
 
 
 def _refuse_master_hooks(state: Any) -> None:

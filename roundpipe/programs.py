@@ -1,0 +1,63 @@
+"""A pipe's compiled programs: one per input signature and mode (training flags, the
+callers' autocast, grad mode), each with its executor and its plans by memory cap,
+microbatch count and recompute grain (a per-call ``memory_fraction`` or
+``num_microbatch`` re-partitions without tracing)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .compiler import Analysis
+from .plan import OutputMergePlan, StagePlan
+from .runtime.executor import Executor
+from .runtime.host_state import HostState
+
+
+@contextlib.contextmanager
+def tracing_autocast(kind: str, autocast: tuple[str, torch.dtype] | None) -> Iterator[None]:
+    """Trace in the autocast state the calls of the program run in: the model's own code
+    may branch on a dtype autocast decides (``if h.dtype != torch.float32``), and a
+    program traced without autocast would take the float32 branch under bf16.  Tracing
+    runs on the CPU, so a CUDA caller's state is traced as CPU autocast of the same dtype;
+    the ops stay autocast-implicit in the graph and run under the caller's autocast."""
+    with contextlib.ExitStack() as stack:
+        for device_type in dict.fromkeys((kind, "cpu")):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        if autocast is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=autocast[1]))
+        yield
+
+
+@dataclass
+class CompiledProgram:
+    """One compiled program with its executor (a model may have several: new shapes,
+    train/eval mode), and its plans by memory cap (a per-call ``memory_fraction``
+    re-partitions without tracing)."""
+
+    plan: StagePlan
+    host: HostState
+    executor: Executor
+    training: tuple[bool, ...]
+    analysis: Analysis
+    autocast: tuple[str, torch.dtype] | None  # the callers' autocast when traced
+    # The grad mode traced in: a pipe(x) under no_grad gets a program of its own, since
+    # model code may branch on grad mode (nn.MultiheadAttention's fast path).
+    grad: bool = True
+    # Output merge plans by the way calls split the inputs (value -> dim).
+    merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
+    # Plans (and their executors) by (memory cap, num_microbatch, recompute grain).
+    by_cap: dict[tuple, tuple[StagePlan, Executor]] = field(default_factory=dict)
+    # The plan as users see it (with its host step), by (plan, bound optimizer): the
+    # same object until either changes.
+    shown: tuple[tuple[int, int], StagePlan] | None = None
+
+
+def plan_key(plan: StagePlan, grain: str) -> tuple:
+    """(memory cap, num_microbatch, recompute grain) a plan was made for (a plan with no
+    backward stage shows no grain: any will do)."""
+    shown = next((s.recompute for s in plan.stages if s.kind == "bwd"), grain)
+    return plan.memory_cap, plan.num_microbatch, shown
