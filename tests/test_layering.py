@@ -256,3 +256,14 @@ def test_the_private_reach_check_can_fail():
         "from roundpipe.api import _Compiled\nself._mine()\nsuper()._save()\n"
         "torch._C._get_tracing_state()\n")
     assert sorted(found) == ["import _Compiled", "pipe._optimizer", "self.trainer.pipe._state"]
+
+
+def test_the_job_runner_reads_the_executor_through_its_public_seam():
+    """runtime/job_runner.py works on the call's ``CallState`` (runtime/call_state.py) and
+    the executor's public names (``readers``, ``buffer_update``, ``grad_dtype``,
+    ``start_load``, ``ready``, ...), not on the executor's private ``_Call`` and
+    attributes, whose contract is the executor's own."""
+    source = (ROOT / "runtime" / "job_runner.py").read_text(encoding="utf-8")
+    into = sorted({r for r in private_reaches(source)
+                   if r.startswith(("ex.", "self.ex.", "call.", "self.call.", "import "))})
+    assert into == []

@@ -24,6 +24,11 @@ host round trip.
 
 Nothing is committed to host state until every job succeeded; a failing call leaves
 weights, gradients and buffers as they were.
+
+What one job does runs in :class:`~.job_runner.JobRunner`, over the call's shared
+:class:`~.call_state.CallState`; it reads the executor through the public names below
+(``units``, ``host``, ``landing``, ``readers``, ``buffer_update``, ``grad_dtype``,
+``runnable``, ``start_load``, ``ready``), never its private ones.
 """
 
 from __future__ import annotations
@@ -45,10 +50,11 @@ import torch
 from ..errors import OutOfMemoryError, RoundPipeError, StageError
 from ..plan import StagePlan, UnitProgram
 from ..ops import modes, rng
-from .devices import Device, DeviceCounters, DeviceMemoryExceeded, Transfer
+from .devices import Device, DeviceCounters, DeviceMemoryExceeded
 from .grad_flow import live_nodes
 from .grad_landing import GradLanding
 from .host_state import HostView
+from .call_state import CallState
 from .job_runner import JobRunner
 from .param_hooks import NO_HOOKS, HookPlan
 from .jobs import Job, plan_jobs
@@ -161,67 +167,6 @@ class RunResult:
     mb_grads: dict[str, list[tuple[int, int, torch.Tensor]]] = field(default_factory=dict)
 
 
-@dataclass
-class _Call:
-    """Shared state of one call across its jobs."""
-
-    mode: str                       # "train", "forward" or "backward"
-    num_mb: int
-    grain: str
-    keys: list[RngKey | None]
-    store: list[dict[str, Any]]     # host values per microbatch
-    grads: list[dict[str, torch.Tensor]]  # host gradients of values per microbatch
-    labels: list[Any]
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    want_outputs: bool
-    fence_version: int
-    carries: frozenset[str]         # values (and state slots) through which grads flow
-    abort: threading.Event
-    done: dict[tuple[int, int], Future]
-    losses: list[torch.Tensor | None]
-    param_grads: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    timeline: list[JobRecord] = field(default_factory=list)
-    unit_fwd_s: dict[int, float] = field(default_factory=dict)
-    unit_bwd_s: dict[int, float] = field(default_factory=dict)
-    # (table, {unit: share}, device, start mark, end mark), resolved when the call ends
-    timings: list[tuple[dict[int, float], dict[int, float], Device, Any, Any]] = field(
-        default_factory=list)
-    autocast: tuple[str, torch.dtype] | None = None
-    weights: dict[int, Transfer] = field(default_factory=dict)  # loads, by job index
-    load_requested: dict[int, float] = field(default_factory=dict)
-    handoff: dict[tuple[int, str], Any] = field(default_factory=dict)  # (mb, value)
-    jobs: list[Job] = field(default_factory=list)
-    nonfinite_loss_ok: bool = False
-    # on_grads(start, stop, [(slot, unit, host tensor)]), on the device thread: units
-    # [start, stop) have final parameter gradients, those listed staged on the host.
-    # Called per unit once the last microbatch's backward passed it, and when a fused/bwd
-    # job finishes (covering all its units; frozen or skipped units have no gradients).
-    on_grads: Callable[[int, int, list[tuple[str, int, torch.Tensor]]], None] | None = None
-    # (slot, unit) -> the gradient in its master's dtype, copied off the download buffer
-    # once it landed (GradLanding); replaces param_grads when the call succeeds.
-    converted: dict[tuple[str, int], Future] = field(default_factory=dict)
-    in_place: set[str] = field(default_factory=set)  # slots left in their download buffer
-    grad_norms: dict[str, torch.Tensor] = field(default_factory=dict)  # of in_place slots
-    measure_norms: bool = False  # read once at the start (HostView.wants_grad_norms)
-    steps: list[Future] = field(default_factory=list)  # optimizer steps pending at start
-    # Slot -> the tensor uploaded instead of the host's (a backward's buffers as they were
-    # before its forward, see Stash).
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    t0: float = 0.0
-    # job index -> (start, end) of its upload's wait for the optimizer's publish, where
-    # the fence was closed; and the intervals a job stood waiting for such an upload
-    fence_waits: dict[int, tuple[float, float]] = field(default_factory=dict)
-    weight_stalls: list[tuple[float, float]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    keep: frozenset[str] = frozenset()  # more values returned per microbatch (RunResult.values)
-    hooks: HookPlan = NO_HOOKS  # where the parameters' autograd hooks run
-    mb_grads: dict[str, list[tuple[int, int, torch.Tensor]]] = field(default_factory=dict)
-    # Buffers every microbatch reads as the call began (pipe(x): eager writes them once
-    # per call, from values no sample changes; see OutputMergePlan.per_call_state).
-    fresh_state: frozenset[str] = frozenset()
-
-
 class Executor:
     """Runs calls of one :class:`StagePlan` on a pool of devices."""
 
@@ -233,7 +178,7 @@ class Executor:
         self.host = host
         self.devices = list(devices)
         self.units = self.program.units
-        self._buffer_update = {v: slot for slot, v in self.program.buffer_updates}
+        self.buffer_update = {v: slot for slot, v in self.program.buffer_updates}
         self._carries_cache: dict[Any, frozenset[str]] = {}
         # Host buffers gradients are downloaded into, reused across calls; pass one
         # GradLanding to the executors of every program of a model, so each new shape or
@@ -241,7 +186,7 @@ class Executor:
         # call is done with them (conversions included) when it returns.
         self.landing = landing if landing is not None else GradLanding(convert=False)
         self._grad_dtypes: dict[str, torch.dtype] = {}
-        self._readers = collections.Counter(s for u in self.units for s in u.state)
+        self.readers = collections.Counter(s for u in self.units for s in u.state)
         # torch.compile'd unit programs (by unit index), made on first use.
         self.compile_backend = compile_backend
         self._runnables: dict[tuple[int, str], Callable[..., Any]] = {}
@@ -267,7 +212,8 @@ class Executor:
 
         A NaN or infinite loss raises :class:`LossError` (nothing is committed) unless
         ``nonfinite_loss_ok`` (a GradScaler skips the step instead).  ``on_grads`` sees
-        each unit's staged parameter gradients as soon as they are final (see ``_Call``).
+        each unit's staged parameter gradients as soon as they are final (see
+        ``CallState``).
         ``hooks``: where the parameters' autograd hooks run (runtime/param_hooks.py)."""
         call = self._new_call("train", inputs, labels, loss_fn, grain, want_outputs, keys,
                               fence_version, autocast=autocast)
@@ -327,7 +273,7 @@ class Executor:
                   loss_fn: Callable | None, grain: str, want_outputs: bool,
                   keys: list[RngKey | None], fence_version: int, record: bool = True,
                   autocast: tuple[str, torch.dtype] | None = None,
-                  only: frozenset[str] | None = None) -> _Call:
+                  only: frozenset[str] | None = None) -> CallState:
         num_mb = len(inputs)
         # Gradients of inputs only flow back through forward() + backward(); a training
         # call has nowhere to return them.
@@ -338,7 +284,7 @@ class Executor:
             if inputs and mode != "train" else frozenset()
         carries = self._carries(grad_inputs, only) if (mode != "forward" or record) \
             else frozenset()
-        return _Call(
+        return CallState(
             mode=mode, num_mb=num_mb, grain=grain, keys=keys,
             store=[dict(x) for x in inputs], grads=[{} for _ in range(num_mb)],
             labels=labels, loss_fn=loss_fn, want_outputs=want_outputs,
@@ -375,14 +321,14 @@ class Executor:
         self._carries_cache[key] = result
         return result
 
-    def _jobs(self, call: _Call, *, stash_for_backward: bool) -> list[Job]:
+    def _jobs(self, call: CallState, *, stash_for_backward: bool) -> list[Job]:
         jobs = list(plan_jobs(self.plan, call.mode, call.grain, num_devices=len(self.devices),
                               carries=call.carries, want_outputs=call.want_outputs,
                               keep=call.keep, stash_for_backward=stash_for_backward))
         return jobs
 
     # --- running -------------------------------------------------------------------------
-    def _run(self, jobs: list[Job], call: _Call) -> RunResult:
+    def _run(self, jobs: list[Job], call: CallState) -> RunResult:
         for device in self.devices:
             device.reset_counters()
         for job in jobs:
@@ -392,7 +338,7 @@ class Executor:
         call.jobs = jobs
         # Each device's first job starts loading its weights at once.
         for job in jobs[:len(self.devices)]:
-            self._start_load(call, job)
+            self.start_load(call, job)
         futures = []
         errors: list[tuple[Job, Device, BaseException]] = []
         try:
@@ -510,7 +456,7 @@ class Executor:
                     self._runnables[key] = fn
         return fn
 
-    def _grad_dtype(self, slot: str) -> torch.dtype:
+    def grad_dtype(self, slot: str) -> torch.dtype:
         """The dtype a slot's gradient is committed in (the host view's, cached)."""
         dtype = self._grad_dtypes.get(slot)
         if dtype is None:
@@ -564,7 +510,7 @@ class Executor:
             f"more margin) or raise num_microbatch (smaller microbatches, less activation "
             f"memory){layer}; or give the devices more memory")
 
-    def _start_load(self, call: _Call, job: Job) -> None:
+    def start_load(self, call: CallState, job: Job) -> None:
         """Start uploading ``job``'s state on its device's weight loader."""
         if job.skip or job.index in call.weights:
             return
@@ -587,7 +533,7 @@ class Executor:
             {slot: call.state.get(slot, host.tensors[slot]) for slot in job.slots}, before,
             owner=job.index)
 
-    def _wait_for(self, call: _Call, job: Job, mb: int) -> None:
+    def _wait_for(self, call: CallState, job: Job, mb: int) -> None:
         if job.index == 0:
             if call.abort.is_set():
                 raise _Aborted()
@@ -605,7 +551,7 @@ class Executor:
                 raise _Aborted() from None
 
     @staticmethod
-    def _ready(call: _Call, job: Job, mb: int) -> bool:
+    def ready(call: CallState, job: Job, mb: int) -> bool:
         """Whether microbatch ``mb``'s inputs are all on the host already."""
         if mb >= call.num_mb:
             return False
@@ -614,7 +560,7 @@ class Executor:
         fut = call.done[(job.index - 1, mb)]
         return fut.done() and fut.exception() is None
 
-    def _job_main(self, job: Job, device: Device, call: _Call) -> None:
+    def _job_main(self, job: Job, device: Device, call: CallState) -> None:
         start = time.perf_counter() - call.t0
         runner = JobRunner(self, job, device, call)
         spans: list[tuple[float, float]] = []
@@ -628,7 +574,7 @@ class Executor:
                     self._wait_for(call, job, mb)
                     t = time.perf_counter() - call.t0
                     try:
-                        runner.run_microbatch(mb, self._ready(call, job, mb + 1))
+                        runner.run_microbatch(mb, self.ready(call, job, mb + 1))
                     except _Aborted:
                         raise
                     except BaseException as e:

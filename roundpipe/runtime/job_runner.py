@@ -22,7 +22,8 @@ from .devices import Device, Transfer, dense
 from .jobs import Job
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .executor import Executor, _Call
+    from .call_state import CallState
+    from .executor import Executor
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 class JobRunner:
     """The work of one job on one device (runs on the device's controller thread)."""
 
-    def __init__(self, ex: Executor, job: Job, device: Device, call: _Call) -> None:
+    def __init__(self, ex: Executor, job: Job, device: Device, call: CallState) -> None:
         self.ex = ex
         self.job = job
         self.device = device
@@ -55,11 +56,11 @@ class JobRunner:
         # Double buffering: the next job on this device loads while this one computes.
         nxt = self.job.index + len(ex.devices)
         if nxt < len(call.jobs):
-            ex._start_load(call, call.jobs[nxt])
+            ex.start_load(call, call.jobs[nxt])
         if self.skip:
             return  # nothing here carries a gradient (frozen layers)
         if self.job.index not in call.weights:
-            ex._start_load(call, self.job)
+            ex.start_load(call, self.job)
         self.weights = call.weights.pop(self.job.index)
         waited = time.perf_counter()
         self.state = dict(self.weights.result())
@@ -142,7 +143,7 @@ class JobRunner:
             landing.keep((uid, slot), host)
             self.handed.add((uid, slot))
             staged.append((slot, uid, host))
-            if self.call.on_grads is None and self.ex._readers[slot] == 1 and \
+            if self.call.on_grads is None and self.ex.readers[slot] == 1 and \
                     slot not in self.call.hooks.at_commit and \
                     self.ex.host.lands_in_place(slot):
                 in_place.add(slot)
@@ -154,13 +155,13 @@ class JobRunner:
         # the commit into a new tensor anyway: converting each contribution first would
         # only hold more full-precision copies.
         single = [(slot, uid, g) for slot, uid, g in staged
-                  if self.ex._readers[slot] == 1 and slot not in in_place
+                  if self.ex.readers[slot] == 1 and slot not in in_place
                   and slot not in self.call.hooks.at_commit]
         if single and self._converts():
             landed = self.device.after_downloads()
             with self.device.memory.host():  # the masters' dtype: made on first use
                 converted = {(slot, uid): self.ex.landing.convert_after(
-                    landed, g, self.ex._grad_dtype(slot), self.call.steps,
+                    landed, g, self.ex.grad_dtype(slot), self.call.steps,
                     functools.partial(self.ex.host.has_no_grad, slot), key=(uid, slot))
                     for slot, uid, g in single}
         with self.call.lock:
@@ -208,7 +209,7 @@ class JobRunner:
         staged_buffers: dict[str, torch.Tensor] = {}
         if self.job.kind in ("fwd", "fused"):  # forward work updates buffers
             mutated = {s for u in self.units for s in u.mutated_state}
-            mutated.update(slot for v, slot in self.ex._buffer_update.items()
+            mutated.update(slot for v, slot in self.ex.buffer_update.items()
                            if v in self.produced_here)
             unseen = sorted(slot for slot, version in self.versions.items()
                             if slot not in mutated and self.state[slot]._version != version)
@@ -307,7 +308,7 @@ class JobRunner:
     def _apply_buffer_updates(self, unit: UnitProgram, values: dict[str, Any]) -> None:
         # Reassigned buffers: the next microbatch of this job reads the new value.
         for v in unit.outputs:
-            slot = self.ex._buffer_update.get(v)
+            slot = self.ex.buffer_update.get(v)
             if slot is not None:
                 self.state[slot] = values[v]
 
@@ -340,7 +341,7 @@ class JobRunner:
         else:
             self._backward_stage(mb)
         self._release_microbatch(mb)
-        if next_ready or self.ex._ready(self.call, self.job, mb + 1):
+        if next_ready or self.ex.ready(self.call, self.job, mb + 1):
             self.prefetch(mb + 1)
 
     def _forward(self, mb: int) -> None:
