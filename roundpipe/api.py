@@ -258,6 +258,9 @@ class RoundPipe:
         self._nonfinite_loss_ok = False  # a GradScaler skips steps with inf/NaN instead
         self._step_hooks: list[Callable[[int], None]] = []  # step(version) being enqueued
         self._sync_hooks: list[Callable[[], None]] = []  # run after synchronize()
+        # (graph task, entry, result, hooks) of pipe(x) backwards whose commit waits for
+        # the end of their backward pass (hooked parameters with masters: _defer_commit)
+        self._deferred: list[tuple[int, Any, RunResult, Any]] = []
 
     # --- compilation ---------------------------------------------------------------------
     def compile(self, example_args: tuple[Any, ...] = (),
@@ -762,13 +765,56 @@ class RoundPipe:
                 if commit is not None:
                     result = dataclasses.replace(result, param_grads={
                         s: g for s, g in grads.items() if s in commit})
-                self._finish(entry, result, count_call=False, hooks=hooks)
+                if hooks.at_commit and self._state.has_masters:
+                    self._defer_commit(entry, result, hooks)
+                else:
+                    self._finish(entry, result, count_call=False, hooks=hooks)
                 if dp_call is not None:
                     self._sync_replica_buffers(entry)
             stash[0] = None
             return dataclasses.replace(result, param_grads={
                 s: g for s, g in grads.items() if commit is not None and s not in commit})
         return run_backward
+
+    def _defer_commit(self, entry: _Compiled, result: RunResult,
+                      hooks: param_hooks.HookPlan) -> None:
+        """With masters, the hooks of a parameter reached through ``pipe(x)`` run once
+        per backward pass on its gradient summed over every pipelined call that pass
+        reaches (two ``pipe(x)`` calls in one loss: eager's one hook call).  So the
+        commits of such a pass wait for its end (autograd's ``queue_callback``) and then
+        run together; an error in a hook commits nothing of the pass."""
+        task = torch._C._current_graph_task_id()
+        if self._deferred and self._deferred[0][0] != task:
+            # left by a backward pass that failed before its end: it commits nothing
+            self._deferred = []
+        # the download buffers are reused by the next call's backward in this pass
+        grads = {s: [(u, g.clone()) for u, g in gs] for s, gs in result.param_grads.items()}
+        result = dataclasses.replace(result, param_grads=grads,
+                                     grads_owned=frozenset(grads), grads_holdable=frozenset())
+        self._deferred.append((task, entry, result, hooks))
+        if len(self._deferred) == 1:
+            torch.autograd.Variable._execution_engine.queue_callback(self._commit_deferred)
+
+    def _commit_deferred(self) -> None:
+        """The end of a backward pass that reached hooked parameters through ``pipe(x)``:
+        their hooks run once on the summed gradients, then every call's commit."""
+        with self._lock:
+            calls, self._deferred = self._deferred, []
+            if not calls:
+                return
+            self._optimizer.wait()
+
+            def commit() -> None:
+                rests, hooked = param_hooks.run_merged_tensor_hooks(
+                    [(entry.host, hooks, result.param_grads)
+                     for _, entry, result, hooks in calls])
+                for (_, entry, result, _), rest in zip(calls, rests):
+                    entry.host.commit(rest, result.buffers, result.grads_owned,
+                                      frozenset(), result.grad_norms)
+                    self._stats = result.stats
+                param_hooks.accumulate(calls[0][1].host, hooked, 1)
+
+            self._optimizer.run(commit)
 
     # --- optimizer -----------------------------------------------------------------------
     def step(self, step_fn: Callable[[], Any] | torch.optim.Optimizer,

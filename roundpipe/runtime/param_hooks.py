@@ -221,6 +221,46 @@ def run_tensor_hooks(host: HostState, plan: HookPlan,
     return rest, hooked
 
 
+def run_merged_tensor_hooks(
+        calls: Sequence[tuple[HostState, HookPlan,
+                              Mapping[str, Sequence[tuple[int, torch.Tensor]]]]]
+) -> tuple[list[dict[str, Sequence[tuple[int, torch.Tensor]]]], list[_Hooked]]:
+    """:func:`run_tensor_hooks` for every pipelined call one backward pass reached
+    (``pipe(x)`` + ``backward()`` with masters): a hooked parameter's gradient is each
+    call's contributions folded in descending unit order, summed over the calls in the
+    order the backward reached them, and its tensor hooks run once on that sum, as
+    eager's one backward runs them.  Returns each call's other gradients, and the hooked
+    ones (one backward)."""
+    rests: list[dict[str, Sequence[tuple[int, torch.Tensor]]]] = []
+    totals: dict[str, torch.Tensor] = {}
+    where: dict[str, tuple[HostState, str]] = {}
+    with torch.no_grad():
+        for host, plan, grads in calls:
+            rests.append({s: g for s, g in grads.items() if s not in plan.at_commit})
+            first_reader = {s: min(uid for uid, _ in g) for s, g in grads.items()}
+            for slot in sorted(plan.at_commit & grads.keys(),
+                               key=lambda s: (-first_reader[s], s)):
+                name = host.specs[slot].fqn
+                # summed in the parameter's dtype, as autograd sums its uses
+                folded = fold_unit_grads(list(grads[slot]), fresh=True)
+                if name in totals:
+                    totals[name] = totals[name] + folded
+                else:
+                    totals[name], where[name] = folded, (host, slot)
+        hooked = []
+        for name, total in totals.items():
+            host, slot = where[name]
+            param, grad = host.tensors[slot], total
+            for hook in tensor_hooks(param):  # read now, as eager reads them
+                out = hook(grad)
+                if out is not None:
+                    _check_hook_result(name, grad, out)
+                    grad = out
+            hooked.append(_Hooked(name, param, [(0, grad.to(host.grad_dtype(slot),
+                                                             copy=grad is not total))]))
+    return rests, hooked
+
+
 def _check_hook_result(name: str, grad: torch.Tensor, out: Any) -> None:
     if not isinstance(out, torch.Tensor) or out.shape != grad.shape:
         raise ParameterHookError(
