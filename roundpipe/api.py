@@ -20,8 +20,9 @@ from . import current
 from .compiler import PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .dtype_diagnosis import diagnose_dtypes, dtype_mismatch
-from .errors import (ConfigError, InputError, ModelError, RoundPipeError, StepError,
-                     TraceError, UnknownConfigFieldError, unknown_options_message)
+from .errors import (ConfigError, InputError, ModelError, ParameterHookError,
+                     RoundPipeError, StepError, TraceError, UnknownConfigFieldError,
+                     unknown_options_message)
 from .merged_outputs import merge_plan, merged_outputs, output_columns, tail_values
 from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
@@ -261,6 +262,7 @@ class RoundPipe:
         # (graph task, entry, result, hooks) of pipe(x) backwards whose commit waits for
         # the end of their backward pass (hooked parameters with masters: _defer_commit)
         self._deferred: list[tuple[int, Any, RunResult, Any]] = []
+        self._pass_task: int | None = None  # the backward pass _end_of_pass is queued for
 
     # --- compilation ---------------------------------------------------------------------
     def compile(self, example_args: tuple[Any, ...] = (),
@@ -765,6 +767,8 @@ class RoundPipe:
                 if commit is not None:
                     result = dataclasses.replace(result, param_grads={
                         s: g for s, g in grads.items() if s in commit})
+                if self._state.has_masters:
+                    self._queue_end_of_pass()
                 if hooks.at_commit and self._state.has_masters:
                     self._defer_commit(entry, result, hooks)
                 else:
@@ -776,43 +780,61 @@ class RoundPipe:
                 s: g for s, g in grads.items() if commit is not None and s not in commit})
         return run_backward
 
-    def _defer_commit(self, entry: _Compiled, result: RunResult,
+    def _queue_end_of_pass(self) -> None:
+        """Once per backward pass through ``pipe(x)`` with masters: run
+        :meth:`_end_of_pass` when the pass ends (autograd's ``queue_callback``)."""
+        task = torch._C._current_graph_task_id()
+        if self._pass_task != task:
+            self._pass_task = task
+            # deferred by a pass that failed before its end: it commits nothing
+            self._deferred = [d for d in self._deferred if d[0] == task]
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
+
+    def _defer_commit(self, entry: CompiledProgram, result: RunResult,
                       hooks: param_hooks.HookPlan) -> None:
         """With masters, the hooks of a parameter reached through ``pipe(x)`` run once
         per backward pass on its gradient summed over every pipelined call that pass
         reaches (two ``pipe(x)`` calls in one loss: eager's one hook call).  So the
-        commits of such a pass wait for its end (autograd's ``queue_callback``) and then
-        run together; an error in a hook commits nothing of the pass."""
-        task = torch._C._current_graph_task_id()
-        if self._deferred and self._deferred[0][0] != task:
-            # left by a backward pass that failed before its end: it commits nothing
-            self._deferred = []
+        commits of such a pass wait for its end and then run together; an error in a
+        hook commits nothing of the pass."""
         # the download buffers are reused by the next call's backward in this pass
         grads = {s: [(u, g.clone()) for u, g in gs] for s, gs in result.param_grads.items()}
         result = dataclasses.replace(result, param_grads=grads,
                                      grads_owned=frozenset(grads), grads_holdable=frozenset())
-        self._deferred.append((task, entry, result, hooks))
-        if len(self._deferred) == 1:
-            torch.autograd.Variable._execution_engine.queue_callback(self._commit_deferred)
+        self._deferred.append((self._pass_task, entry, result, hooks))
 
-    def _commit_deferred(self) -> None:
-        """The end of a backward pass that reached hooked parameters through ``pipe(x)``:
-        their hooks run once on the summed gradients, then every call's commit."""
+    def _end_of_pass(self) -> None:
+        """The end of a backward pass through ``pipe(x)`` with masters: the deferred
+        commits (hooks once on the summed gradients), and the gradients autograd left
+        on the model's own parameters (a use outside the pipe) added to their masters,
+        where the optimizer reads them (they were silently dropped before)."""
         with self._lock:
-            calls, self._deferred = self._deferred, []
-            if not calls:
-                return
+            calls, self._deferred, self._pass_task = self._deferred, [], None
             self._optimizer.wait()
 
             def commit() -> None:
-                rests, hooked = param_hooks.run_merged_tensor_hooks(
-                    [(entry.host, hooks, result.param_grads)
-                     for _, entry, result, hooks in calls])
-                for (_, entry, result, _), rest in zip(calls, rests):
-                    entry.host.commit(rest, result.buffers, result.grads_owned,
-                                      frozenset(), result.grad_norms)
-                    self._stats = result.stats
-                param_hooks.accumulate(calls[0][1].host, hooked, 1)
+                outside = self._state.outside_grads()
+                hooked_outside = [n for n in outside if param_hooks.tensor_hooks(
+                    self.model.get_parameter(n))]
+                if hooked_outside:
+                    self._state.drop_outside_grads(outside)
+                    raise ParameterHookError(
+                        f"parameter {hooked_outside[0]!r} has tensor hooks and was used "
+                        "both inside the pipe and outside it in one backward: autograd ran "
+                        "its hooks on the outside part alone, where eager runs them once "
+                        "on the sum. Nothing of this backward was committed. Use the "
+                        "parameter only inside the model the pipe runs, or remove the "
+                        "hooks")
+                if calls:
+                    rests, hooked = param_hooks.run_merged_tensor_hooks(
+                        [(entry.host, hooks, result.param_grads)
+                         for _, entry, result, hooks in calls])
+                    for (_, entry, result, _), rest in zip(calls, rests):
+                        entry.host.commit(rest, result.buffers, result.grads_owned,
+                                          frozenset(), result.grad_norms)
+                        self._stats = result.stats
+                    param_hooks.accumulate(calls[0][1].host, hooked, 1)
+                self._state.fold_outside_grads(outside)
 
             self._optimizer.run(commit)
 
@@ -961,6 +983,8 @@ class RoundPipe:
         elsewhere it runs on the optimizer thread after the pending step.  Returns the
         total norm before clipping, as torch's function does."""
         def clip() -> torch.Tensor:
+            # a backward outside the pipe left gradients on the model's parameters
+            self._state.fold_outside_grads(self._state.outside_grads())
             return clip_grad_norm_(self.optim_parameters(), max_norm, norm_type,
                                    error_if_nonfinite)
         return clip() if self._optimizer.on_worker else self._optimizer.run(clip)

@@ -92,3 +92,50 @@ def test_post_accumulate_hooks_with_masters_stay_refused():
     with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float64) as pipe:
         with pytest.raises(ParameterHookError):
             (pipe(_inputs()[0]) ** 2).sum().backward()
+
+
+@pytest.mark.parametrize("separate_pass", [False, True])
+def test_a_parameter_used_outside_the_pipe_gets_its_whole_gradient_on_its_master(
+        separate_pass):
+    """With masters, autograd puts the gradient of a use outside the pipe on the model's
+    parameter; the optimizer reads the master.  It is added to the master (it was
+    silently dropped: the optimizer stepped on the pipe's part alone)."""
+    base = _model()
+    xs = _inputs()
+    eager = copy.deepcopy(base)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for x in xs[:2]:
+        if separate_pass:
+            (eager(x) ** 2).sum().backward()
+            (eager[0][0].weight ** 2).sum().backward()
+        else:
+            ((eager(x) ** 2).sum() + (eager[0][0].weight ** 2).sum()).backward()
+        opt_e.step()
+        opt_e.zero_grad()
+    model = copy.deepcopy(base)
+    with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float64,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+        for x in xs[:2]:
+            if separate_pass:
+                (pipe(x) ** 2).sum().backward()
+                (model[0][0].weight ** 2).sum().backward()
+            else:
+                ((pipe(x) ** 2).sum() + (model[0][0].weight ** 2).sum()).backward()
+            pipe.step(opt)
+        pipe.synchronize()
+        assert model[0][0].weight.grad is None
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert torch.allclose(p, q, atol=1e-12, rtol=1e-10), name
+
+
+def test_a_hooked_parameter_used_inside_and_outside_in_one_backward_is_refused():
+    model = _model()
+    model[0][0].weight.register_hook(_clamp)
+    with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float64,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=1)) as pipe:
+        x = _inputs()[0]
+        with pytest.raises(ParameterHookError, match="inside the pipe and outside"):
+            ((pipe(x) ** 2).sum() + (model[0][0].weight ** 2).sum()).backward()
+        assert all(p.grad is None for p in pipe.optim_parameters())
+        assert model[0][0].weight.grad is None

@@ -448,6 +448,33 @@ class ModelState:
             return master.detach()
         return self.offload.read(master_key(name))
 
+    def outside_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients autograd accumulated on the model's own parameters while they have
+        masters: a use of the parameter outside the pipe (the pipe's gradients land on
+        the masters, where the optimizer reads them)."""
+        if not self.has_masters:
+            return {}
+        return {name: grad for name, param in self._params.items()
+                if param.requires_grad and (grad := param.grad) is not None}
+
+    def fold_outside_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Add ``grads`` (from :meth:`outside_grads`) to their masters' ``.grad`` and
+        clear them on the parameters: the optimizer sees the sum, as eager's would."""
+        with torch.no_grad():
+            for name, grad in grads.items():
+                master = self.master(name)
+                total = master.grad  # a gradient held where it landed is converted
+                add = grad.to(master.dtype)
+                if total is None:
+                    set_raw_grad(master, add.clone() if add is grad else add)
+                else:
+                    total += add
+                self._params[name].grad = None
+
+    def drop_outside_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
+        for name in grads:
+            self._params[name].grad = None
+
     def commit_grads(self, grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]],
                      owned: frozenset[str] = frozenset(),
                      holdable: frozenset[str] = frozenset(),

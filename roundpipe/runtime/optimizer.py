@@ -95,6 +95,8 @@ class OptimizerWorker:
         host = self.host
         checked = checked or _Verdict()
         if host.has_masters:
+            # a backward outside any pipe(x) call left gradients on the model's parameters
+            host.fold_outside_grads(host.outside_grads())
             host.publish(version, at_step=True, **(publish or {}))
         self._local.inside, self._local.version = True, version
         try:
@@ -150,6 +152,7 @@ class OptimizerWorker:
     def _run_by_unit(self, optimizer: Any, groups: list[dict[str, Any]], version: int,
                      prepared: threading.Event, on_prepared: Callable[[], None]) -> None:
         host = self.host
+        host.fold_outside_grads(host.outside_grads())
         schedule = host.publishing_schedule(version)
         if host.offload is not None:  # stage each unit around its update and publish
             schedule = host.offload_begin(schedule)
