@@ -16,7 +16,11 @@ A configuration is ``<model dtype>-<masters dtype or none>-<optimizer>``, optimi
 ``sgd`` (momentum 0.9), ``adamw``; ``lora`` trains rank-8 adapters beside frozen weights;
 ``rpsgd``, ``rpadamw`` and ``rpadamwbf16`` are ``roundpipe.optim.SGD`` / ``AdamW`` (the
 last with bf16 moments), stepped asynchronously as in training (so the staged weights of
-one step and the next call's gradients hold two landing buffer sets).
+one step and the next call's gradients hold two landing buffer sets).  ``rpadamwdisk``
+is ``roundpipe.optim.AdamW`` with the disk tier (``offload_dir`` under ``--offload-dir``),
+stepped exactly unit by unit (``pipe.step(opt)``); its row also gives the process's peak
+resident set (``VmHWM``) against the peak the accounting implies (weights, landed
+gradients, the staging window's peak, the virtual device's copies at the peak of a call).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 CONFIGS = ("fp32-none-sgd", "fp32-none-adamw", "bf16-fp32-sgd", "bf16-fp32-adamw",
-           "bf16-fp32-lora", "bf16-fp32-rpsgd", "bf16-fp32-rpadamw", "bf16-fp32-rpadamwbf16")
+           "bf16-fp32-lora", "bf16-fp32-rpsgd", "bf16-fp32-rpadamw", "bf16-fp32-rpadamwbf16",
+           "bf16-fp32-rpadamwdisk")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": None}
 
 
@@ -65,18 +70,36 @@ class Stack(nn.Module):
         return x
 
 
-def run_one(config: str, params_millions: int, steps: int, width: int = 4096) -> dict:
+def peak_rss_bytes() -> int:
+    """The process's peak resident set (VmHWM); 0 off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def run_one(config: str, params_millions: int, steps: int, width: int = 4096,
+            offload_dir: str | None = None) -> dict:
+    import tempfile
+
     import roundpipe
     from progress import Progress
 
     model_dtype, master, optim = config.split("-")
+    disk = optim.endswith("disk")
     layers = max(2, round(params_millions * 1e6 / (width * width + width)))
     base = rss_bytes()
     model = Stack(width, layers, DTYPES[model_dtype], lora=optim == "lora")
     x = torch.randn(4, width, dtype=DTYPES[model_dtype])
+    tier = tempfile.mkdtemp(dir=offload_dir) if disk else None
     pipe = roundpipe.RoundPipe(model, devices=["cpu"], optim_dtype=DTYPES[master],
                                model_run_config=roundpipe.RoundPipeRunConfig(
-                                   num_microbatch=2))
+                                   num_microbatch=2),
+                               offload_dir=os.path.join(tier, "t") if tier else None)
     params = pipe.optim_parameters()
     opt = {"sgd": lambda: torch.optim.SGD(params, lr=1e-4, momentum=0.9),
            "adamw": lambda: torch.optim.AdamW(params, lr=1e-4),
@@ -85,11 +108,19 @@ def run_one(config: str, params_millions: int, steps: int, width: int = 4096) ->
            "rpadamw": lambda: roundpipe.optim.AdamW(params, lr=1e-4),
            "rpadamwbf16": lambda: roundpipe.optim.AdamW(params, lr=1e-4,
                                                          state_dtype=torch.bfloat16),
+           "rpadamwdisk": lambda: roundpipe.optim.AdamW(params, lr=1e-4),
            }[optim]()
+    peak_device = 0
     progress = Progress(range(steps), steps, config)
     for _ in progress:
         pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
-        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        peak_device = max(peak_device, sum(d.peak_bytes_last_call
+                                           for d in pipe.host_memory().devices))
+        if disk:
+            pipe.step(opt)  # exact, unit by unit: at most three units staged
+            pipe.synchronize()
+        else:
+            pipe.step(lambda: (opt.step(), opt.zero_grad()))
         if not optim.startswith("rp"):
             pipe.synchronize()
         progress.show(rss_gib=f"{(rss_bytes() - base) / 2**30:.2f}")
@@ -106,7 +137,19 @@ def run_one(config: str, params_millions: int, steps: int, width: int = 4096) ->
               "per_param": {c: mem.bytes_per_param(c) for c in
                             ("masters", "gradients", "optimizer_state", "landing")},
               "beyond_weights": mem.bytes_per_param(), "weights": mem.weights}
+    if disk:
+        store = pipe._state.offload
+        # the most at once: weights, landed bf16 gradients, the staging window, the
+        # device's copies during a call (the step and the call do not overlap here)
+        landing = mem.trainable_params * 2
+        result.update(peak_rss_growth=peak_rss_bytes() - base,
+                      peak_staged=store.peak_staged_bytes, disk=mem.disk_total,
+                      accounted_peak=mem.weights + landing + max(store.peak_staged_bytes,
+                                                                 peak_device))
     pipe.close()
+    if tier:
+        import shutil
+        shutil.rmtree(tier, ignore_errors=True)
     return result
 
 
@@ -116,19 +159,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--width", type=int, default=4096, help="of each square layer")
+    parser.add_argument("--offload-dir", default=None,
+                        help="where rpadamwdisk's files go (default: a temporary dir)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process's config
     add_smoke_flag(parser)
     args = apply_smoke(parser.parse_args(), params_millions=1, steps=1, width=128,
-                       configs="bf16-fp32-rpadamw")
+                       configs="bf16-fp32-rpadamw,bf16-fp32-rpadamwdisk")
     if args.one:
-        print(json.dumps(run_one(args.one, args.params_millions, args.steps, args.width)))
+        print(json.dumps(run_one(args.one, args.params_millions, args.steps, args.width,
+                                 args.offload_dir)))
         return
-    rows = []
+    rows, disk_rows = [], []
     for config in args.configs.split(","):
         out = subprocess.run(
             [sys.executable, __file__, "--one", config, "--params-millions",
              str(args.params_millions), "--steps", str(args.steps), "--width",
-             str(args.width)],
+             str(args.width)] + (["--offload-dir", args.offload_dir] if args.offload_dir
+                                 else []),
             capture_output=True, text=True, check=False)
         if out.returncode != 0:
             print(f"{config}: failed\n{out.stderr[-2000:]}")
@@ -141,10 +188,20 @@ def main() -> None:
                      *(f"{r['per_param'][c]:.2f}" for c in
                        ("masters", "gradients", "optimizer_state", "landing")),
                      f"{r['beyond_weights']:.2f}"])
+        if "peak_rss_growth" in r:
+            disk_rows.append([config, f"{r['peak_rss_growth'] / 2**30:.2f}",
+                              f"{r['accounted_peak'] / 2**30:.2f}",
+                              f"{r['peak_rss_growth'] / r['accounted_peak']:.3f}",
+                              f"{(r['peak_rss_growth'] - r['weights']) / r['trainable']:.2f}",
+                              f"{r['peak_staged'] / 2**20:.1f}", f"{r['disk'] / 2**30:.2f}"])
     print(tabulate(rows, headers=[
         "config", "params", "trainable", "RSS growth GiB", "accounted GiB",
         "device copies GiB (peak, freed)", "RSS / accounted", "masters B/p", "grads B/p",
         "optim B/p", "landing B/p", "beyond weights B/p"]))
+    if disk_rows:
+        print(tabulate(disk_rows, headers=[
+            "disk tier", "peak RSS growth GiB", "accounted peak GiB", "peak / accounted",
+            "peak RSS beyond weights B/p", "staging window peak MiB", "on disk GiB"]))
 
 
 if __name__ == "__main__":

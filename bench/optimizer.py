@@ -18,6 +18,14 @@ bf16 weights) against ``roundpipe.optim``'s one pass (update reading the landed 
 gradient; the same publish), against the one-pass
 roofline: bytes per parameter over the STREAM-triad bandwidth measured in the same run
 with all threads.  ``--host-only`` runs just that table.
+
+Last, the disk tier (``offload_dir``, ``--disk-only`` runs just this): the exact step
+``pipe.step(opt)`` with ``roundpipe.optim.AdamW`` on fp32 masters of a bf16 model, in
+seconds per billion parameters, in host memory and with the tier (page cache dropped
+before each step, so reads come from the disk), beside the disk's sequential write and
+read bandwidth measured in the same run (4 threads, 8 MiB blocks) by three mechanisms:
+``os.pwrite``/``os.preadv`` (what the tier uses), the same with ``O_DIRECT``, and a
+memory map.  The goal: the tier's step within 1.25x of its bytes over the bandwidth.
 """
 
 from __future__ import annotations
@@ -66,8 +74,20 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--host-only", action="store_true")
+    parser.add_argument("--disk-only", action="store_true",
+                        help="only the disk tier's step against the disk's bandwidth")
+    parser.add_argument("--disk-dir", default=None,
+                        help="where the disk tier's files go (default: a temporary dir)")
+    parser.add_argument("--disk-width", type=int, default=4096)
+    parser.add_argument("--disk-layers", type=int, default=16)
     add_smoke_flag(parser)
-    args = apply_smoke(parser.parse_args(), width=128, layers=2, repeats=1)
+    args = apply_smoke(parser.parse_args(), width=128, layers=2, repeats=1, disk_width=256,
+                       disk_layers=4)
+    if args.disk_only:
+        import tempfile
+        disk_tier(args.disk_width, args.disk_layers, args.repeats,
+                  args.disk_dir or tempfile.gettempdir())
+        return
     if args.host_only:
         host_step(args.width * args.width * args.layers, args.repeats)
         return
@@ -128,6 +148,9 @@ def main() -> None:
                             "ms (async step pending)", "difference ms (spread)"]))
     grad_landing(n, args.repeats)
     host_step(n, args.repeats)
+    import tempfile
+    disk_tier(args.disk_width, args.disk_layers, args.repeats,
+              args.disk_dir or tempfile.gettempdir())
 
 
 def triad_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -280,6 +303,162 @@ def grad_landing(n: int, repeats: int) -> None:
                      f"{statistics.median(ratios):.1f} ({min(ratios):.1f}-{max(ratios):.1f})"]],
                    headers=[f"bf16 -> fp32 .grad, {n / 1e6:.1f} M: fresh memory ms",
                             "reused memory ms", "fresh / reused (spread)"]))
+
+
+# --- the disk tier (offload_dir) ------------------------------------------------------------
+
+def _drop_cache(path: str) -> None:
+    """Evict a file's clean pages from the page cache, so the next read comes from disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _parallel(jobs: list[Callable[[], object]], threads: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(j) for j in jobs]:
+            f.result()
+
+
+def disk_bandwidth(directory: str, nbytes: int, threads: int = 4,
+                   block: int = 8 << 20) -> dict[str, tuple[float, float]]:
+    """Sequential write and read bandwidth (bytes/s) of ``directory``'s disk, by
+    mechanism: os.pwrite/os.preadv from threads into one reused buffer per thread (what
+    the tier uses), the same with O_DIRECT, and a shared memory map (copy in, msync;
+    copy out).  Each write ends with fdatasync; the page cache is dropped before reads."""
+    import ctypes
+    import mmap
+    path = os.path.join(directory, "bandwidth.bin")
+    nbytes = max(block, nbytes // block * block)
+    blocks = nbytes // block
+    out: dict[str, tuple[float, float]] = {}
+    # page-aligned reused buffers (mmap'd anonymous memory), filled with data
+    buffers = [mmap.mmap(-1, block) for _ in range(threads)]
+    for b in buffers:
+        b.write(os.urandom(1 << 16) * (block >> 16))
+
+    def run(flags: int) -> tuple[float, float]:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+
+            def writer(t: int) -> Callable[[], None]:
+                def go() -> None:
+                    for i in range(t, blocks, threads):
+                        os.pwrite(fd, buffers[t], i * block)
+                return go
+
+            def reader(t: int) -> Callable[[], None]:
+                def go() -> None:
+                    for i in range(t, blocks, threads):
+                        os.preadv(fd, [buffers[t]], i * block)
+                return go
+            t0 = time.perf_counter()
+            _parallel([writer(t) for t in range(threads)], threads)
+            os.fdatasync(fd)
+            w = nbytes / (time.perf_counter() - t0)
+            _drop_cache(path)
+            t0 = time.perf_counter()
+            _parallel([reader(t) for t in range(threads)], threads)
+            r = nbytes / (time.perf_counter() - t0)
+            return w, r
+        finally:
+            os.close(fd)
+            os.unlink(path)
+
+    out["pwrite/preadv, threads"] = run(0)
+    try:
+        out["O_DIRECT, threads"] = run(os.O_DIRECT)
+    except OSError as e:  # tmpfs and some file systems refuse O_DIRECT
+        print(f"O_DIRECT not available here: {e}")
+    # memory map: copy each block in (then msync), copy out after dropping the cache
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        m = mmap.mmap(fd, nbytes)
+        src = torch.frombuffer(buffers[0], dtype=torch.uint8)
+        view = torch.frombuffer(m, dtype=torch.uint8)
+
+        def copy_in(t: int) -> Callable[[], None]:
+            return lambda: [view[i * block:(i + 1) * block].copy_(src)
+                            for i in range(t, blocks, threads)]
+        t0 = time.perf_counter()
+        _parallel([copy_in(t) for t in range(threads)], threads)
+        m.flush()
+        w = nbytes / (time.perf_counter() - t0)
+        _drop_cache(path)
+        dst = [torch.empty(block, dtype=torch.uint8) for _ in range(threads)]
+
+        def copy_out(t: int) -> Callable[[], None]:
+            return lambda: [dst[t].copy_(view[i * block:(i + 1) * block])
+                            for i in range(t, blocks, threads)]
+        t0 = time.perf_counter()
+        _parallel([copy_out(t) for t in range(threads)], threads)
+        out["mmap, threads"] = (w, nbytes / (time.perf_counter() - t0))
+        del view, src
+        m.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    del ctypes
+    return out
+
+
+def disk_tier(width: int, layers: int, repeats: int, directory: str) -> None:
+    """The disk tier's exact step (pipe.step(opt): AdamW, fp32 masters of a bf16 model,
+    fp32 moments) in seconds per billion parameters, beside the same step in host memory
+    and the disk's own bandwidth measured here; the page cache is dropped before each
+    timed step, so the reads come from the disk."""
+    import tempfile
+    import roundpipe
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, dtype=torch.bfloat16)
+                            for _ in range(layers)])
+    n = sum(p.numel() for p in model.parameters())
+    x = torch.randn(4, width, dtype=torch.bfloat16)
+    call = dict(input_args=(x,), loss_fn=lambda out, _: out.float().square().mean())
+    bandwidth = disk_bandwidth(directory, max(64 << 20, 12 * n), threads=4)
+    times: dict[str, list[float]] = {}
+    moved = 0
+    for tier in (False, True):
+        with tempfile.TemporaryDirectory(dir=directory) as d:
+            pipe = RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=torch.float32,
+                             model_run_config=RoundPipeRunConfig(num_microbatch=1),
+                             offload_dir=os.path.join(d, "tier") if tier else None)
+            opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-4)
+            key = "disk tier" if tier else "host memory"
+            times[key] = []
+            for i in range(repeats + 1):
+                pipe.forward_backward(**call)
+                pipe.synchronize()
+                store = pipe._state.offload
+                if store is not None:
+                    _drop_cache(os.path.join(d, "tier", "data.bin"))
+                    before = store.bytes_read + store.bytes_written
+                t = time.perf_counter()
+                pipe.step(opt)
+                pipe.synchronize()
+                if i:  # the first step allocates the state
+                    times[key].append(time.perf_counter() - t)
+                    if store is not None:
+                        moved = store.bytes_read + store.bytes_written - before
+            pipe.close()
+    med = statistics.median
+    write_bw, read_bw = bandwidth["pwrite/preadv, threads"]
+    # the tier reads and writes the same bytes: half the traffic each way
+    bound = moved / 2 / read_bw + moved / 2 / write_bw
+    print(f"\ndisk tier: {n / 1e6:.1f} M parameters, {moved / n:.1f} B/param moved per "
+          f"step, files in {directory}, median of {repeats}")
+    print(tabulate([[m, f"{w / 1e9:.2f}", f"{r / 1e9:.2f}"] for m, (w, r) in bandwidth.items()],
+                   headers=["disk I/O (4 threads, 8 MiB blocks)", "write GB/s", "read GB/s"]))
+    rows = [[k, f"{med(v) / n * 1e9:.2f}"] for k, v in times.items()]
+    rows.append(["bytes moved / disk bandwidth", f"{bound / n * 1e9:.2f}"])
+    print(tabulate(rows, headers=["exact step (pipe.step(opt))", "s per B params"]))
+    print(f"disk tier step / I/O bound: {med(times['disk tier']) / bound:.2f}")
 
 
 if __name__ == "__main__":

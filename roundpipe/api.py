@@ -40,6 +40,7 @@ from .runtime.grad_norm import clip_grad_norm_
 from .runtime import optimizer_check
 from .runtime.masters import raw_grad
 from .runtime.host_memory import DeviceCopies, HostMemory, host_memory
+from .runtime.offload import disk_bandwidth
 from .runtime.host_state import HostState, ModelState
 from .runtime.microbatch import (batch_size_of, check_on_cpu, merged_value, split_inputs,
                                  split_label)
@@ -325,9 +326,12 @@ class RoundPipe:
         model_bytes = model.element_size() if model is not None else 4
         master_bytes = (named[0][1].element_size() if named and self._state.has_masters
                         else None)
+        store = self._state.offload
         estimate = host_step.estimate(optimizer, params, model_bytes, master_bytes,
                                       self._current.plan.est_step_time_s,
-                                      predict=self.predict_weights)
+                                      predict=self.predict_weights,
+                                      disk_bandwidth=(disk_bandwidth(store.directory)
+                                                      if store is not None else None))
         how = (self.step_overlap(optimizer) if optimizer is not None else
                "whole update: torch's AdamW (assumed) steps all its parameters at once")
         stages = self._current.plan.stages

@@ -85,15 +85,36 @@ def bytes_per_param(optimizer: Any, model_bytes: int, master_bytes: int | None,
     return float(landing + update + publish)
 
 
+def disk_bytes_per_param(optimizer: Any, master_bytes: int) -> float:
+    """Bytes the disk tier reads and writes per parameter per step: each master and
+    each state tensor read once and written once (an exact ``pipe.step(opt)``, which
+    publishes the staged masters; a ``step_fn`` re-reads the masters to publish them,
+    ``master_bytes`` more)."""
+    n_states, _ = _states(optimizer)
+    state = master_bytes
+    if getattr(optimizer, "state_dtype", None) is not None:
+        state = optimizer.state_dtype.itemsize
+    return float(2 * (master_bytes + n_states * state))
+
+
 def estimate(optimizer: Any, params: int, model_bytes: int, master_bytes: int | None,
-             device_seconds: float, predict: bool = False) -> HostStepEstimate:
+             device_seconds: float, predict: bool = False,
+             disk_bandwidth: float | None = None) -> HostStepEstimate:
     """The host step of ``optimizer`` (None: torch's AdamW, assumed) on ``params``
-    trainable parameters, beside the devices' ``device_seconds`` per step."""
+    trainable parameters, beside the devices' ``device_seconds`` per step.
+    ``disk_bandwidth``: with the disk tier, the disk's bytes per second (its I/O then
+    joins the estimate)."""
     bpp = bytes_per_param(optimizer, model_bytes, master_bytes, predict)
+    disk = {}
+    if disk_bandwidth and master_bytes is not None:
+        dbpp = disk_bytes_per_param(optimizer, master_bytes)
+        disk = dict(disk_bytes_per_param=dbpp, disk_bandwidth=disk_bandwidth,
+                    disk_seconds=params * dbpp / disk_bandwidth)
     _, name = _states(optimizer)
     if type(optimizer).__module__.startswith("roundpipe.optim"):
         name = f"roundpipe.optim.{name}"
     bandwidth = host_bandwidth()
     return HostStepEstimate(optimizer=name, assumed=optimizer is None, params=params,
                             bytes_per_param=bpp, bandwidth=bandwidth,
-                            seconds=params * bpp / bandwidth, device_seconds=device_seconds)
+                            seconds=params * bpp / bandwidth, device_seconds=device_seconds,
+                            **disk)

@@ -296,16 +296,27 @@ class HostStepEstimate:
     # "whole update: <why>" (the next call waits for all of it).
     exact_step: str = ""
     exposed_share: float = 1.0
+    # The disk tier (offload_dir): bytes read and written per parameter per step, the
+    # disk's bandwidth (measured once per directory) and the time they take; 0 without.
+    disk_bytes_per_param: float = 0.0
+    disk_bandwidth: float = 0.0
+    disk_seconds: float = 0.0
 
     @property
     def host_bound(self) -> bool:
-        """Whether the host step outlasts the devices' step, so it is not hidden."""
-        return self.seconds > self.device_seconds
+        """Whether the host step (its memory passes, or the disk tier's I/O, which
+        overlap) outlasts the devices' step, so it is not hidden."""
+        return max(self.seconds, self.disk_seconds) > self.device_seconds
 
     def __str__(self) -> str:
         # two lines, so the plan's summary fits 120 columns
         verdict = "the host is the bottleneck" if self.host_bound else "hidden behind them"
-        return (f"host step {_fmt_time(self.seconds)} per step beside "
+        disk = ""
+        if self.disk_bytes_per_param:
+            disk = (f"\n  disk tier: {self.disk_bytes_per_param:.0f} B/param read and written "
+                    f"per step, {_fmt_time(self.disk_seconds)} at "
+                    f"{self.disk_bandwidth / 1e9:.2f} GB/s")
+        return (f"host step {_fmt_time(max(self.seconds, self.disk_seconds))} per step beside "
                 f"{_fmt_time(self.device_seconds)} on the devices: {verdict}\n"
                 f"  ({self.optimizer}" + (", assumed" if self.assumed else "")
                 + f": {self.bytes_per_param:.0f} B/param x {_fmt_count(self.params)} at "
@@ -315,7 +326,7 @@ class HostStepEstimate:
                 + (f"\n  exact steps: {self.exact_step}" + (
                     f" with pipe.step(opt), about {self.exposed_share:.0%} of it exposed"
                     if self.exact_step == "per unit" else "")
-                   if self.exact_step else ""))
+                   if self.exact_step else "") + disk)
 
 
 @dataclass(frozen=True)

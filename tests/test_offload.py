@@ -306,3 +306,28 @@ def test_what_the_disk_tier_cannot_hold_is_refused(tmp_path):
     with pytest.raises(OffloadError, match="step 1 of another run"):
         RoundPipe(model, devices=["cpu"], optim_dtype=torch.float32,
                   offload_dir=tmp_path / "t")
+
+
+@pytest.mark.parametrize("state_dtype, expected", [(None, 24.0), (torch.bfloat16, 16.0)])
+def test_the_host_step_estimate_gives_the_disk_time(tmp_path, state_dtype, expected):
+    """AdamW with the tier reads and writes each master (4 B) and moment (4 or 2 B) once
+    per step; the estimate divides that by the disk bandwidth measured under the
+    directory, and the plan's host-step line says so."""
+    model, args, kwargs = _model()
+    pipe, opt = _train(model, args, kwargs, 1, "AdamW", state_dtype,
+                       offload_dir=tmp_path / "t", steps=1)
+    try:
+        est = pipe.host_step_estimate(opt)
+        assert est.disk_bytes_per_param == expected
+        assert est.disk_bandwidth > 0
+        assert est.disk_seconds == pytest.approx(est.params * expected / est.disk_bandwidth)
+        assert "disk tier: %d B/param" % expected in str(est)
+        assert not os.path.exists(tmp_path / "t" / "manifest.json.tmp")
+        with RoundPipe(copy.deepcopy(model), devices=["cpu"],
+                       optim_dtype=torch.float32) as plain:
+            plain.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                   loss_fn=_loss)
+            est = plain.host_step_estimate(roundpipe.optim.AdamW(plain.optim_parameters()))
+            assert est.disk_seconds == 0 and "disk tier" not in str(est)
+    finally:
+        pipe.close()
