@@ -178,8 +178,12 @@ class OffloadStore:
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._groups: dict[str, list[str]] = {}  # parameter name -> its keys
+        # Reads and writes in pools of their own: unit k+1's read must not queue behind
+        # unit k-1's write-back.
         self._pool = ThreadPoolExecutor(max_workers=io_threads,
-                                        thread_name_prefix="roundpipe-offload")
+                                        thread_name_prefix="roundpipe-offload-read")
+        self._write_pool = ThreadPoolExecutor(max_workers=io_threads,
+                                              thread_name_prefix="roundpipe-offload-write")
         self.step = 0  # steps committed
         # What a step may roll back to: key -> current at begin(), resident bytes.
         self._begun: dict[str, int | str] | None = None
@@ -330,7 +334,7 @@ class OffloadStore:
             self.fault("write", entry.key)
         slot = 0 if entry.committed is None else 1 - entry.committed
         offset = entry.offsets[slot]
-        futures = [self._pool.submit(_write_exact, self._fd, entry.tensor, start,
+        futures = [self._write_pool.submit(_write_exact, self._fd, entry.tensor, start,
                                      min(CHUNK_BYTES, entry.nbytes - start), offset + start,
                                      self._direct)
                    for start in range(0, entry.nbytes, CHUNK_BYTES)]
@@ -450,6 +454,7 @@ class OffloadStore:
             return
         self.closed = True
         self._pool.shutdown(wait=True)
+        self._write_pool.shutdown(wait=True)
         with contextlib.suppress(OSError):
             os.close(self._fd)
 
