@@ -377,3 +377,26 @@ def test_the_store_round_trips_odd_sizes_in_two_slots(tmp_path, direct):
             assert torch.equal(store.read(k), originals[k] + 1), k
     finally:
         store.close()
+
+
+def test_asynchronous_steps_without_prediction_equal_the_run_in_memory(tmp_path):
+    """is_async=True with predict_weights=False: each step publishes the last one's
+    masters (read from the files) while the next call runs; bitwise as in memory."""
+    model, args, kwargs = _model()
+    runs = []
+    for offload_dir in (None, tmp_path / "t"):
+        pipe = RoundPipe(copy.deepcopy(model), devices=["cpu"] * 3,
+                         optim_dtype=torch.float32, predict_weights=False,
+                         offload_dir=offload_dir,
+                         model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        opt = _opt(pipe, "AdamW", None)
+        for _ in range(STEPS):
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                  loss_fn=_loss)
+            pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+        runs.append((pipe, opt, _snapshot(pipe, opt)))
+    try:
+        _assert_equal(runs[1][2], runs[0][2])
+    finally:
+        for pipe, _, _ in runs:
+            pipe.close()
