@@ -138,7 +138,7 @@ def run_one(config: str, params_millions: int, steps: int, width: int = 4096,
                             ("masters", "gradients", "optimizer_state", "landing")},
               "beyond_weights": mem.bytes_per_param(), "weights": mem.weights}
     if disk:
-        store = pipe._state.offload
+        store = pipe.offload_stats()
         # the most at once: weights, landed bf16 gradients, the staging window, the
         # device's copies during a call (the step and the call do not overlap here)
         landing = mem.trainable_params * 2

@@ -435,17 +435,18 @@ def disk_tier(width: int, layers: int, repeats: int, directory: str) -> None:
             for i in range(repeats + 1):
                 pipe.forward_backward(**call)
                 pipe.synchronize()
-                store = pipe._state.offload
-                if store is not None:
-                    _drop_cache(os.path.join(d, "tier", "data.bin"))
-                    before = store.bytes_read + store.bytes_written
+                stats = pipe.offload_stats()
+                if stats is not None:
+                    _drop_cache(os.path.join(stats.directory, "data.bin"))
+                    before = stats.bytes_read + stats.bytes_written
                 t = time.perf_counter()
                 pipe.step(opt)
                 pipe.synchronize()
                 if i:  # the first step allocates the state
                     times[key].append(time.perf_counter() - t)
-                    if store is not None:
-                        moved = store.bytes_read + store.bytes_written - before
+                    if stats is not None:
+                        stats = pipe.offload_stats()
+                        moved = stats.bytes_read + stats.bytes_written - before
             pipe.close()
     med = statistics.median
     # the mechanism the tier uses: O_DIRECT where the file system takes it

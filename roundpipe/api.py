@@ -40,7 +40,7 @@ from .runtime.grad_norm import clip_grad_norm_
 from .runtime import optimizer_check
 from .runtime.masters import raw_grad
 from .runtime.host_memory import DeviceCopies, HostMemory, host_memory
-from .runtime.offload import disk_bandwidth
+from .runtime.offload import OffloadStats, disk_bandwidth
 from .runtime.host_state import HostState, ModelState
 from .runtime.microbatch import (batch_size_of, check_on_cpu, merged_value, split_inputs,
                                  split_label)
@@ -1107,6 +1107,12 @@ class RoundPipe:
 
         # Not under the call lock: a step_fn may call this while the caller waits for it.
         return self._optimizer.run(collect)
+
+    def offload_stats(self) -> OffloadStats | None:
+        """The disk tier's counters (``offload_dir``): the committed step, the bytes
+        staged now and at most, the bytes read and written; None without the tier."""
+        store = self._state.offload
+        return None if store is None else store.stats()
 
     def stats(self) -> RunStats:
         """Transfers, peak residency per device and the job timeline of the last call."""

@@ -68,6 +68,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+@dataclass(frozen=True)
+class OffloadStats:
+    """The disk tier's counters (``RoundPipe.offload_stats()``).
+
+    Attributes:
+        directory: where the files are (``data.bin``, ``manifest.json``).
+        step: steps committed (the manifest's step number).
+        staged_bytes: bytes of masters and state in host memory now (0 between steps).
+        peak_staged_bytes: the most staged at once since the pipe was made.
+        bytes_read: bytes read from the files since the pipe was made.
+        bytes_written: bytes written to them since the pipe was made.
+    """
+
+    directory: str
+    step: int
+    staged_bytes: int
+    peak_staged_bytes: int
+    bytes_read: int
+    bytes_written: int
+
+
 @dataclass
 class _Entry:
     key: str
@@ -443,6 +464,11 @@ class OffloadStore:
             self._begun = None
 
     # --- accounting -------------------------------------------------------------------
+    def stats(self) -> OffloadStats:
+        with self._lock:
+            return OffloadStats(self.directory, self.step, self.staged_bytes,
+                                self.peak_staged_bytes, self.bytes_read, self.bytes_written)
+
     def disk_bytes(self, prefix: str) -> int:
         """Bytes of file regions (both slots) of the keys starting with ``prefix``."""
         with self._lock:
