@@ -407,11 +407,29 @@ def test_stats_report_transfers_residency_and_round_robin_timeline():
     for record in stats.timeline:
         assert record.device == f"cpu:{record.job % 2}"
         assert record.end_s >= record.start_s
-    # Every stage uploads its weights once per job.
-    state_bytes = sum(s.param_bytes for s in plan.stages)
-    assert stats.bytes_uploaded >= state_bytes
-    assert all(d.peak_resident_bytes > 0 for d in stats.devices)
-    assert stats.bytes_downloaded > 0
+    # Exact totals.  Every job uploads its stage's weights once, on its own device.
+    for d in stats.devices:
+        assert d.uploaded["weights"] == sum(plan.stages[r.stage].param_bytes
+                                            for r in stats.timeline if r.device == d.name)
+        assert d.bytes_uploaded == sum(d.uploaded.values())
+        assert d.bytes_downloaded == sum(d.downloaded.values())
+        assert d.peak_resident_bytes > 0
+
+    def total(counters, category):
+        return sum(getattr(d, counters)[category] for d in stats.devices)
+    assert total("uploaded", "labels") == label.numel() * label.element_size()
+    assert total("downloaded", "losses") == 3 * 4  # one fp32 loss per microbatch
+    # The inputs go up twice (stage 0's forward and its backward's recompute); every other
+    # activation was downloaded by the job that made it and uploaded by the one reading it.
+    inputs = sum(t.numel() * t.element_size() for t in (*args, *kwargs.values()))
+    assert total("uploaded", "activations") == 2 * inputs + total("downloaded", "activations")
+    # Parameter gradients once per backward job (a tied weight in each stage using it), and
+    # the loss stage's input gradients, downloaded, then uploaded by the stage below.
+    trainable = sum(s.param_bytes for s in plan.stages if s.kind != "fwd")
+    assert stats.grad_bytes_downloaded == trainable
+    assert total("downloaded", "grads") == trainable + total("uploaded", "grads")
+    assert total("uploaded", "grads") > 0
+    assert stats.bytes_uploaded == sum(d.bytes_uploaded for d in stats.devices)
     pipe.close()
 
 
