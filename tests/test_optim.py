@@ -220,9 +220,15 @@ def test_bit_identical_across_device_counts_and_whether_grads_are_read(name):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+class _Injected(Exception):
+    """The failure a test's step_fn raises on purpose (any other one fails the test)."""
+
+
 def _masters_after(cls, step_fn_of, calls_per_step=1, steps=2, **kwargs):
     """bf16 GPT, fp32 masters, ``steps`` of ``calls_per_step`` calls then
-    ``pipe.step(step_fn_of(opt, masters))``: the masters and p.grad afterwards."""
+    ``pipe.step(step_fn_of(opt, masters))``: the masters and p.grad afterwards.  A step
+    whose step_fn raised :class:`_Injected` is retried by the next one; any other
+    StepError is the test's failure."""
     torch.manual_seed(0)
     model, args, kw = models.gpt(layers=2)
     model = model.to(torch.bfloat16)
@@ -235,8 +241,9 @@ def _masters_after(cls, step_fn_of, calls_per_step=1, steps=2, **kwargs):
                 pipe.forward_backward(input_args=args, input_kwargs=kw, loss_fn=loss_fn)
             try:
                 pipe.step(step_fn_of(opt, masters), is_async=False)
-            except StepError:
-                pass
+            except StepError as e:
+                if not isinstance(e.__cause__, _Injected):
+                    raise
         pipe.synchronize()
         grads = [None if m.grad is None else m.grad.clone() for m in masters]
         weights = [w.detach().clone() for w in model.parameters()]
@@ -272,10 +279,11 @@ def test_p_grad_and_steps_behave_as_with_torchs_optimizer():
             opt.step()
             if id(opt) not in failed:
                 failed.add(id(opt))
-                raise ValueError("after the step")
+                raise _Injected("after the step")
             opt.zero_grad()
         return fn
     _same_as_torch(raise_once)
+    assert len(failed) == 2  # each optimizer's step_fn did raise once
 
 
 def test_two_optimizers_over_the_same_masters_apply_the_gradient_twice():
