@@ -3,6 +3,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 import weakref
 
 import pytest
@@ -22,12 +23,19 @@ def pytest_collection_modifyitems(config, items):
 
 # Pipes shared by the tests of one module (closed by that module); every other pipe a
 # test creates is closed after it, so a failed assertion cannot leak worker threads.
+# Closing waits for a pending step: a RoundPipeError from it (a step the test made fail
+# on purpose and did not wait for) is shown as a warning in the summary; any other
+# error is a bug in closing and fails the test's teardown.
 SHARED_PIPES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+class LeftOpenWarning(UserWarning):
+    """A pipe a test left open failed to close with a RoundPipeError."""
 
 
 @pytest.fixture(autouse=True)
 def _close_pipes_after_each_test():
-    from roundpipe import RoundPipe
+    from roundpipe import RoundPipe, RoundPipeError
 
     created: weakref.WeakSet = weakref.WeakSet()
     original = RoundPipe.__init__
@@ -46,5 +54,6 @@ def _close_pipes_after_each_test():
             if pipe not in SHARED_PIPES:
                 try:
                     pipe.close()  # stops the threads even when it raises
-                except Exception:  # noqa: BLE001 - a step the test made fail on purpose
-                    pass
+                except RoundPipeError as e:
+                    warnings.warn(f"closing a pipe the test left open raised "
+                                  f"{type(e).__name__}: {e}", LeftOpenWarning, stacklevel=1)
