@@ -222,3 +222,35 @@ def test_keyed_ops_scale_and_key_like_aten(op):
     for other in (rng.RngKey(3, 1, 1), rng.RngKey(3, 2, 0), rng.RngKey(4, 1, 0)):
         assert not torch.equal(draw(other) != 0, keep)
     assert not torch.equal(draw(key, unit=1) != 0, keep)
+
+
+def test_a_resumed_run_draws_the_masks_the_uninterrupted_run_draws(tmp_path):
+    """The call number is saved with the checkpoint: after a resume the next step draws
+    the masks the uninterrupted run draws at that step, not those of step 1 again."""
+    from roundpipe import load_checkpoint, save_checkpoint
+
+    def run(pipe, opt):
+        seen = []
+
+        def loss_fn(out, label):
+            seen.append(out.detach())
+            return (out * label).sum()
+        pipe.forward_backward(input_args=(x,), label=torch.ones(BATCH, 2, WIDTH),
+                              loss_fn=loss_fn)
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        return _masks(torch.cat(seen))
+
+    model, x = _model()
+    fresh = copy.deepcopy(model)
+    path = str(tmp_path / "ck.pt")
+    with _pipe(model, seed=5) as pipe:
+        opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-3)
+        first = [run(pipe, opt) for _ in range(2)]
+        save_checkpoint(path, pipe, opt)
+        third = run(pipe, opt)
+    with _pipe(fresh, seed=6) as pipe:
+        opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-3)
+        load_checkpoint(path, pipe, opt)
+        resumed = run(pipe, opt)
+    assert torch.equal(resumed, third)
+    assert not any(torch.equal(resumed, m) for m in first)
