@@ -9,6 +9,7 @@ import inspect
 import logging
 import os
 import threading
+from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -46,7 +47,7 @@ from .runtime.microbatch import (batch_size_of, check_on_cpu, merged_value, spli
                                  split_label)
 from .runtime.data_parallel import DataParallel, DataParallelConfig, DataParallelInfo
 from .runtime.optimizer import OptimizerWorker
-from .runtime import param_hooks
+from .runtime import offload, param_hooks
 from .ops.rng import RngKey
 from .runtime.signature import flatten_inputs, leading_size, matches
 
@@ -968,6 +969,35 @@ class RoundPipe:
         asynchronous step can overlap the next call; without masters it updates the
         model's own weights and the next call waits for the step."""
         return self._state.has_masters
+
+    # --- seams for the checkpoint package (docs/guide.md "Seams for integrations") -------
+    def enqueue_on_optimizer_thread(self, fn: Callable[[], Any]) -> Future:
+        """Queue ``fn`` on the optimizer thread without waiting for it; returns its
+        future.  Every step enqueued later runs after ``fn`` returns, so ``fn`` can hold
+        the steps while other code reads state they change (an asynchronous checkpoint
+        copying the masters).  ``fn`` must not wait for a later step: it would wait for
+        itself."""
+        return self._optimizer.submit(fn)
+
+    def new_gloo_group(self) -> Any:
+        """A new gloo process group over this pipe's data-parallel replicas, apart from
+        the groups training runs its collectives on (an asynchronous checkpoint's
+        collectives run beside training); None when the pipe is not data-parallel.
+        Collective: every replica calls it, in the same order."""
+        return self._dp.new_gloo_group() if self._dp is not None else None
+
+    def read_offloaded_state(self, name: str, key: str,
+                             value: torch.Tensor) -> torch.Tensor | None:
+        """With the disk tier, entry ``key`` of the optimizer state of the master
+        ``name`` as a new tensor, read once from its file, when ``value`` is the tier's
+        tensor for that entry (whose memory is freed between steps); None otherwise (a
+        tensor in memory: read ``value`` itself).  Call it with no step in flight
+        (:meth:`wait`)."""
+        store = self._state.offload
+        if store is None:
+            return None
+        skey = offload.state_key(name, key)
+        return store.read(skey) if store.tensor(skey) is value else None
 
     def optim_parameters(self) -> list[torch.Tensor]:
         """The tensors an optimizer should update: fp32 (``optim_dtype``) masters of the

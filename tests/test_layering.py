@@ -267,3 +267,42 @@ def test_the_job_runner_reads_the_executor_through_its_public_seam():
     into = sorted({r for r in private_reaches(source)
                    if r.startswith(("ex.", "self.ex.", "call.", "self.call.", "import "))})
     assert into == []
+
+
+# --- the checkpoint package drives a pipe through its public seams --------------------------
+
+def pipe_reaches(source: str) -> list[str]:
+    """Private names reached through a RoundPipe: ``x._name`` (at any depth, e.g.
+    ``pipe._state.offload``) where ``x`` is named ``pipe`` or is a parameter annotated
+    ``RoundPipe``, and ``from roundpipe... import _name``.  Other objects' private names
+    (torch's ``_metadata``, ``optimizer._param_to_rank``) are not the pipe's."""
+    tree = ast.parse(source)
+    pipes = {"pipe"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            text = ast.unparse(node.annotation).strip("'\"")
+            if text.split("|")[0].strip().split(".")[-1] == "RoundPipe":
+                pipes.add(node.arg)
+    return [r for r in private_reaches(source)
+            if r.startswith("import ") or r.split(".")[0] in pipes]
+
+
+def test_the_checkpoint_package_reaches_no_private_pipe_state():
+    """roundpipe/checkpoint/ uses the pipe's public members (state_dict, wait,
+    enqueue_on_optimizer_thread, new_gloo_group, offload_stats, read_offloaded_state:
+    docs/guide.md "Seams for integrations"), never ``pipe._optimizer`` and the like."""
+    files = _package("checkpoint")
+    assert files
+    offenders = {p.name: found for p in files
+                 if (found := pipe_reaches(p.read_text(encoding="utf-8")))}
+    assert offenders == {}
+
+
+def test_the_pipe_reach_check_can_fail():
+    found = pipe_reaches(
+        "def f(pipe, p: RoundPipe, q: 'RoundPipe | None', opt):\n"
+        "    pipe._dp\n    p._optimizer.submit(fn)\n    q._state.offload\n"
+        "    opt._param_to_rank\n    sd._metadata\n    torch._C._x\n    self._mine\n"
+        "from ..api import _Compiled\n")
+    assert sorted(found) == ["import _Compiled", "p._optimizer", "pipe._dp",
+                             "q._state"]

@@ -191,7 +191,7 @@ def save_sharded_async(path: str, pipe: RoundPipe, collected: Collected, group: 
     if deferred:
         # Queued now, before any later step: the optimizer thread waits here until the
         # writer has copied the last deferred tensor.
-        pipe._optimizer.submit(lambda: (held.set(), released.wait()))
+        pipe.enqueue_on_optimizer_thread(lambda: (held.set(), released.wait()))
     remaining = set(deferred)
     remaining_lock = threading.Lock()
     pool = _StagingPool()

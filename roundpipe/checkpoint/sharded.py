@@ -136,9 +136,9 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
         "scaler": scaler.state_dict() if scaler is not None else None, "extra": extra,
         "optimizer": None,
     }
-    store = pipe._state.offload  # the disk tier: masters and state read from files
     private = {"published." + n for n in published}
-    if store is not None:  # pipe.state_dict() read the masters: copies already
+    if pipe.offload_stats() is not None:  # the disk tier: pipe.state_dict() read the
+        # masters from their files, so they are copies already
         private.update(k for k in tensors if k.startswith("model.") and k in live)
         live.difference_update(private)
     if optimizer is not None:
@@ -151,9 +151,9 @@ def collect(pipe: RoundPipe, optimizer: torch.optim.Optimizer | None,
             for k, v in entries.items():
                 if isinstance(v, torch.Tensor):
                     key = f"optimizer.{name}.{k}"
-                    skey = f"state/{name}/{k}"
-                    if store is not None and store.tensor(skey) is v:
-                        tensors[key] = store.read(skey)  # from its file, once
+                    from_file = pipe.read_offloaded_state(name, k, v)  # disk tier
+                    if from_file is not None:  # read once
+                        tensors[key] = from_file
                         private.add(key)
                     else:
                         tensors[key] = v.detach()
@@ -187,12 +187,11 @@ def checkpoint_group(pipe: RoundPipe) -> Any:
     """The process group saves run their collectives on (None without data parallelism):
     a gloo group of its own, since an asynchronous save runs while training issues
     collectives on the pipe's groups.  Created, collectively, by the first save."""
-    dp = pipe._dp
-    if dp is None:
+    if pipe.data_parallel is None:
         return None
-    group = _groups.get(dp)
+    group = _groups.get(pipe)
     if group is None:
-        group = _groups[dp] = dp.new_gloo_group()
+        group = _groups[pipe] = pipe.new_gloo_group()
     return group
 
 
