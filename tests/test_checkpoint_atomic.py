@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import random
+import stat
 import subprocess
 import sys
 
 import pytest
 
 from roundpipe.checkpoint.atomic import write_atomically
+from roundpipe.runtime.offload import MANIFEST, OffloadStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -65,3 +67,54 @@ def test_a_temporary_of_a_live_writer_is_kept(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def _record_fsyncs(monkeypatch, target):
+    """Every ``os.fsync``: ("file", the path it flushed) or ("dir", its path, whether
+    ``target`` already held its new content: the rename was flushed)."""
+    calls = []
+    real = os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            calls.append(("dir", path, os.path.exists(target)))
+        else:
+            calls.append(("file", path))
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+def _checkpoint_write(path):
+    write_atomically(path, lambda f: f.write(b"new"))
+
+
+def _offload_commit(path):
+    store = OffloadStore(os.path.dirname(path))  # its manifest: what a resume reads
+    try:
+        store.commit()
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/self/fd")
+@pytest.mark.parametrize("write, name", [(_checkpoint_write, "ck.pt"),
+                                         (_offload_commit, MANIFEST)])
+def test_a_write_is_flushed_to_disk_file_first_then_its_directory(tmp_path, monkeypatch,
+                                                                   write, name):
+    """Durability, not only atomicity: the new file's data is fsynced before the rename
+    (else a power loss can leave the new name on an empty file), and the directory after
+    it (else the rename itself can be lost).  Checkpoints and the disk tier's manifest
+    share the code (runtime/atomic_file.py)."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    target = str(folder / name)
+    calls = _record_fsyncs(monkeypatch, target)
+    write(target)
+    assert [c[0] for c in calls] == ["file", "dir"], calls
+    flushed = calls[0][1]
+    assert os.path.dirname(flushed) == str(folder)
+    assert os.path.basename(flushed).startswith(f".{name}.tmp-")  # before the rename
+    assert calls[1] == ("dir", str(folder), True)
+    assert os.path.isfile(target) and not os.path.exists(flushed)

@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..errors import OffloadError
+from .atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -455,8 +456,8 @@ class OffloadStore:
                     continue  # zeros never written: a resume starts it afresh
                 entries[key] = info
             manifest = {"format": FORMAT, "step": self.step + 1, "entries": entries}
-            _replace_atomically(os.path.join(self.directory, MANIFEST),
-                                json.dumps(manifest).encode())
+            data = json.dumps(manifest).encode()
+            write_atomically(os.path.join(self.directory, MANIFEST), lambda f: f.write(data))
             self.step += 1
             for e in self._entries.values():
                 if e.current in (0, 1):
@@ -542,27 +543,6 @@ def wait(futures: Sequence[Future]) -> None:
             raise OffloadError(f"offload I/O failed: {error}; the step changed nothing "
                                "the files' committed state holds") from error
         raise error
-
-
-def _replace_atomically(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path)
-    temp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(temp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict:
