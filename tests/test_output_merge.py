@@ -475,20 +475,29 @@ class _Einsum(nn.Module):
         return torch.einsum(self.equation, h, self.rep) * self.scale
 
 
+EQUATIONS = dict(perm=st.permutations([0, 1, 2]), rep=st.permutations("ijk"),
+                 rep_len=st.integers(1, 3), out=st.permutations("bijk"),
+                 out_len=st.integers(0, 4))
+
+
+def einsum_equation(perm, rep, rep_len, out, out_len) -> tuple[str, str]:
+    """An equation over a batch operand (``b`` at ``perm``'s place) and a replicated one
+    (``rep_len`` of ``rep``'s letters), and its output term."""
+    batch_term = "".join("bij"[p] for p in perm)
+    rep_term = "".join(rep[:rep_len])
+    used = set(batch_term) | set(rep_term)
+    out_term = "".join(c for c in out[:out_len] if c in used)
+    return f"{batch_term},{rep_term}->{out_term}", out_term
+
+
 @settings(max_examples=12, deadline=None, derandomize=True, database=None)
-@given(perm=st.permutations([0, 1, 2]), rep=st.permutations("ijk"),
-       rep_len=st.integers(1, 3), out=st.permutations("bijk"), out_len=st.integers(0, 4))
+@given(**EQUATIONS)
 def test_einsum_merges_exactly_when_each_sample_keeps_its_own_letter(perm, rep, rep_len,
                                                                       out, out_len):
     """Random equations over a batch operand (the batch's letter b anywhere) and a
     replicated one: pipe(x) equals eager and merges whenever b is kept in the output;
     otherwise it refuses."""
-    letters = "bij"
-    batch_term = "".join(letters[p] for p in perm)
-    rep_term = "".join(rep[:rep_len])
-    used = set(batch_term) | set(rep_term)
-    out_term = "".join(c for c in out[:out_len] if c in used)
-    equation = f"{batch_term},{rep_term}->{out_term}"
+    equation, out_term = einsum_equation(perm, rep, rep_len, out, out_len)
     torch.manual_seed(0)
     _merges_or_refuses(_Einsum(list(perm), equation).double(), equation,
                        must_merge="b" in out_term, exported=True)

@@ -22,6 +22,12 @@ is refused: the call cannot be split exactly, and the merge rule says why.
 
 Only ops the pass knows are allowed on batch-dependent values; any other op makes its
 result ``M``, and so do opaque (leaf) module calls, whose Python the graph does not hold.
+
+The analysis (:func:`propagate`) is the batching proof of both front ends: the
+``torch.compile`` backend runs it on its Dynamo graph lowered to the same ATen ops
+(:mod:`roundpipe.passes.batching`).  It has no tail, so an ``M`` scalar that is a sum or
+a mean over every sample is marked as such (its microbatches' values are added or
+averaged), and an ``S`` that is the batch size times a constant as proportional.
 """
 
 from __future__ import annotations
@@ -85,6 +91,9 @@ class _Batch:
         exprs = [self._raw(s) for s in sizes]
         self.size: Any = exprs[0] if exprs else None
         self.subs = {e: self.size for e in exprs[1:] if isinstance(e, sympy.Symbol)}
+        # S values proportional to the batch (its size times a constant): a microbatch's
+        # is its share, so they add up to the whole batch's.
+        self.proportional: set[torch.fx.Node] = set()
 
     @staticmethod
     def _raw(size: Any) -> Any:
@@ -117,12 +126,19 @@ class _Batch:
         return None if self.size is None else self.quotient(size, self.size)
 
 
-def _m(reason: str) -> tuple:
-    return ("M", reason)
+def _m(reason: str, merge: str | None = None) -> tuple:
+    """``M``; ``merge``: a scalar that is a ``"sum"`` or a ``"mean"`` over every sample
+    (the backend adds or averages its microbatches' values; ``pipe(x)`` recomputes it
+    in a tail like any other mix)."""
+    return ("M", reason) if merge is None else ("M", reason, merge)
 
 
 class _Mixing(Exception):
     """An op makes its value mix samples (caught per node: the value becomes M)."""
+
+    def __init__(self, reason: str, merge: str | None = None) -> None:
+        super().__init__(reason)
+        self.merge = merge
 
 
 def plan_output_merge(traced: TracedGraph, split: Mapping[str, int | None],
@@ -152,43 +168,7 @@ def plan_output_merge(traced: TracedGraph, split: Mapping[str, int | None],
                 "torch.fx, whose graphs record no shapes to prove the write is the same "
                 "for every microbatch" for slot in written), ""))
     state_names = {s.name for s in traced.state}
-    states: dict[torch.fx.Node, tuple] = {}
-    # The batch size as each split input sees it: export gives inputs their own symbols
-    # (equal at run time: the split makes them so).
-    sizes: list[Any] = []
-    for node in graph.nodes:
-        if node.op != "placeholder":
-            continue
-        if node.name in split and split[node.name] is None:
-            states[node] = _m(f"input {node.name} is split along no single dimension")
-        elif node.name in split:
-            states[node] = _b(split[node.name])  # type: ignore[arg-type]
-            size = _shape(node)[split[node.name]]  # type: ignore[index]
-            if not any(size is other for other in sizes):
-                sizes.append(size)
-        else:
-            states[node] = R
-    batch = _Batch(sizes)
-    for node in graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.op == "get_attr":
-            states[node] = R
-            continue
-        try:
-            states[node] = _transfer(node, states, batch, traced)
-        except _Mixing as e:
-            states[node] = _m(str(e))
-        except Exception as e:  # noqa: BLE001 - an op the pass misreads: not proven
-            states[node] = _m(f"{_where(node)} could not be analysed ({e})")
-        if node.meta.get(MUTATES):
-            # State written from batch values carries them into the next microbatch (and
-            # is written once per microbatch, eager writes it once per call).
-            for name in node.meta[MUTATES]:
-                slot = next((n for n in graph.nodes if n.op == "placeholder"
-                             and n.name == name), None)
-                if slot is not None and states[node] != R:
-                    states[slot] = _m(f"{_where(node)} writes {name} in place")
+    states, _ = propagate(graph, split, traced)
     per_call, state_refusal = _state_writes(traced, states, written)
     rules: list[MergeRule] = []
     tail_outputs: list[int] = []
@@ -218,6 +198,58 @@ def plan_output_merge(traced: TracedGraph, split: Mapping[str, int | None],
         raise AssertionError(f"the output tail does not compute {missing}")
     return OutputMergePlan(tuple(rules), dataclasses.replace(
         tail, outputs=tuple(tail_outputs), output_values=values), per_call, state_refusal)
+
+
+def propagate(graph: torch.fx.Graph, split: Mapping[str, int | None],
+              traced: TracedGraph | None = None, sizes: Sequence[str] = ()
+              ) -> tuple[dict[torch.fx.Node, tuple], _Batch]:
+    """Every value's state when the placeholders named in ``split`` are split along the
+    given dimensions (None: some other way) and those named in ``sizes`` are the batch
+    size (``S``, the backend's SymInt inputs); the others are replicated.  The one proof
+    both front ends use: ``pipe(x)`` on export's graph, the backend on its Dynamo graph
+    lowered to the same ATen ops (:mod:`roundpipe.passes.batching`)."""
+    states: dict[torch.fx.Node, tuple] = {}
+    # The batch size as each split input sees it: export gives inputs their own symbols
+    # (equal at run time: the split makes them so).
+    batch_sizes: list[Any] = []
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.name in sizes:
+            states[node] = S
+        elif node.name in split and split[node.name] is None:
+            states[node] = _m(f"input {node.name} is split along no single dimension")
+        elif node.name in split:
+            states[node] = _b(split[node.name])  # type: ignore[arg-type]
+            size = _shape(node)[split[node.name]]  # type: ignore[index]
+            if not any(size is other for other in batch_sizes):
+                batch_sizes.append(size)
+        else:
+            states[node] = R
+    batch = _Batch(batch_sizes)
+    batch.proportional.update(n for n in graph.nodes if n.op == "placeholder"
+                              and n.name in sizes)
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            states[node] = R
+            continue
+        try:
+            states[node] = _transfer(node, states, batch, traced)
+        except _Mixing as e:
+            states[node] = _m(str(e), e.merge)
+        except Exception as e:  # noqa: BLE001 - an op the pass misreads: not proven
+            states[node] = _m(f"{_where(node)} could not be analysed ({e})")
+        if node.meta.get(MUTATES):
+            # State written from batch values carries them into the next microbatch (and
+            # is written once per microbatch, eager writes it once per call).
+            for name in node.meta[MUTATES]:
+                slot = next((n for n in graph.nodes if n.op == "placeholder"
+                             and n.name == name), None)
+                if slot is not None and states[node] != R:
+                    states[slot] = _m(f"{_where(node)} writes {name} in place")
+    return states, batch
 
 
 def _state_writes(traced: TracedGraph, states: dict[torch.fx.Node, tuple],
@@ -421,10 +453,14 @@ def _name(node: torch.fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _transfer(node: torch.fx.Node, states: dict, batch: Any, traced: TracedGraph) -> tuple:
+def _transfer(node: torch.fx.Node, states: dict, batch: Any,
+              traced: TracedGraph | None) -> tuple:
     inputs = node.all_input_nodes
     if all(states.get(a, R) == R for a in inputs):
         return R
+    mixed = [states[a] for a in inputs if states.get(a, R)[0] == "M"]
+    if mixed and all(len(s) == 3 for s in mixed):  # sums and means over the batch
+        raise _Mixing(mixed[0][1], _merged_scalar(node, states, batch))
     for a in inputs:
         s = states.get(a, R)
         if s[0] == "M":
@@ -441,7 +477,7 @@ def _transfer(node: torch.fx.Node, states: dict, batch: Any, traced: TracedGraph
     if node.op != "call_function":
         raise _Mixing(f"{_where(node)} is not an op roundpipe can follow")
     if not hasattr(node.target, "_schema"):
-        return _python_scalar(node, states)
+        return _python_scalar(node, states, batch)
     name = _name(node)
     handler = _HANDLERS.get(name) or _HANDLERS.get(name.rstrip("_"))
     if handler is not None:
@@ -451,10 +487,14 @@ def _transfer(node: torch.fx.Node, states: dict, batch: Any, traced: TracedGraph
     raise _Mixing(f"{_where(node)}: roundpipe cannot prove it keeps samples apart")
 
 
-def _python_scalar(node: torch.fx.Node, states: dict) -> tuple:
+def _python_scalar(node: torch.fx.Node, states: dict, batch: _Batch) -> tuple:
     """Arithmetic on sizes (``sym_size * 2``) and other Python-level calls."""
     kinds = {states.get(a, R)[0] for a in node.all_input_nodes}
     if kinds <= {"R", "S"}:
+        sizes = [a for a in node.args if states.get(a, R) == S]  # type: ignore[arg-type]
+        if node.target in (operator.mul, operator.imul) and len(sizes) == 1 \
+                and sizes[0] in batch.proportional and not node.kwargs:
+            batch.proportional.add(node)  # c * B
         return S
     raise _Mixing(f"{_where(node)} computes a Python value from batch tensors")
 
@@ -707,7 +747,10 @@ def _reduction(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     nd = _ndim(x)
     dims = _named(node, "dim")
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        raise _Mixing(f"{_where(node)} reduces over the batch")
+        # Every sample has as many elements: the whole batch's sum is its microbatches'
+        # sum, its mean their mean weighted by b_i / B.
+        full = _name(node) in ("sum", "mean") and _ndim(node) == 0
+        raise _Mixing(f"{_where(node)} reduces over the batch", _name(node) if full else None)
     dims = [_norm(int(i), nd) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
     if d in dims:
         raise _Mixing(f"{_where(node)} reduces over the batch")
@@ -1073,11 +1116,64 @@ def _sdpa(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     return _b(d)
 
 
+_POINTWISE_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+                     "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                     "soft_margin_loss"}
+_CLASS_LOSSES = {"cross_entropy_loss", "nll_loss", "nll_loss2d"}
+
+
 def _loss(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
-    reduction = _named(node, "reduction", 1)
-    if reduction != 0:
-        raise _Mixing(f"{_where(node)} reduces a loss over the batch")
-    return _elementwise(node, states, batch)
+    """``reduction`` 0 (none) is per sample.  A ``sum`` (2) merges by adding; a ``mean``
+    (1) of a pointwise loss by averaging (every element counts the same); a class loss's
+    mean divides by the weight of the targets not ignored, which is not proportional to
+    the batch."""
+    reduction, name = _named(node, "reduction", 1), _name(node)
+    if reduction == 0:
+        return _elementwise(node, states, batch)
+    merge = None
+    if name in _CLASS_LOSSES:
+        x, t = node.args[0], node.args[1]
+        if reduction == 2 and _rows(states.get(x, R), 0) and _rows(states.get(t, R), 0) \
+                and all(states.get(a, R) == R for a in node.all_input_nodes[2:]):
+            merge = "sum"
+        elif reduction == 1:
+            raise _Mixing(f"{_where(node)} reduces a loss over the batch (reduction='mean' "
+                          "divides by a count that is not proportional to the batch: ignored "
+                          "targets, class weights; use reduction='sum' and divide outside "
+                          "to microbatch it)")
+    elif name in _POINTWISE_LOSSES and reduction in (1, 2):
+        _elementwise(node, states, batch)  # input and target aligned
+        merge = "mean" if reduction == 1 else "sum"
+    raise _Mixing(f"{_where(node)} reduces a loss over the batch", merge)
+
+
+def _merged_scalar(node: torch.fx.Node, states: dict, batch: _Batch) -> str | None:
+    """A scalar computed from sums and means over the batch that still merges exactly:
+    a copy or negation, a product with (a quotient by) a replicated scalar, a sum of two
+    alike, a mean times the batch size (a sum), a sum over it (a mean); else None."""
+    val = node.meta.get("val")  # a float scalar (a cast to int would round each piece)
+    if node.op != "call_function" or not isinstance(val, torch.Tensor) or val.dim() != 0 \
+            or not val.is_floating_point():
+        return None
+    name = _name(node)
+    kinds = [(_st(a, states)[2] if _st(a, states)[0] == "M" else
+              "S" if _st(a, states) == S and a in batch.proportional else
+              "R" if _st(a, states) == R and _ndim(a) == 0 else None) for a in node.args]
+    merged = [k for k in kinds if k in ("sum", "mean")]
+    if len(merged) == 1 and kinds[0] in merged and name in _KEEPS_VALUES | {"neg"}:
+        return merged[0]
+    if len(kinds) != 2 or node.kwargs or None in kinds:
+        return None
+    if name in ("add", "sub") and kinds[0] == kinds[1]:
+        return kinds[0]
+    other = kinds[1] if kinds[0] in merged else kinds[0]
+    if len(merged) == 1 and other == "R" and (name == "mul" or name == "div" and kinds[1] == "R"):
+        return merged[0]
+    if name == "mul" and merged == ["mean"] and other == "S":
+        return "sum"  # mean_i * c * b_i adds up to the whole batch's c * B * mean
+    if name == "div" and kinds == ["sum", "S"]:
+        return "mean"  # sum_i / (c * b_i) averages with weights b_i / B
+    return None
 
 
 def _sym_size(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
@@ -1086,6 +1182,7 @@ def _sym_size(node: torch.fx.Node, states: dict, batch: Any) -> tuple:
     if s[0] != "B":
         raise _Mixing(f"{_where(node)} reads the size of a mixed value")
     if _name(node) == "sym_numel" or int(node.args[1]) == s[1]:
+        batch.proportional.add(node)
         return S
     return R
 
