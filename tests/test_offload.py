@@ -400,3 +400,40 @@ def test_asynchronous_steps_without_prediction_equal_the_run_in_memory(tmp_path)
     finally:
         for pipe, _, _ in runs:
             pipe.close()
+
+
+def test_a_read_failing_in_the_publish_leaves_nothing_staged(tmp_path):
+    """A step_fn step publishes at synchronize(), reading the masters unit by unit; a
+    read that fails there raises, frees what it staged, makes a call that would wait
+    for those weights raise instead of hang, and the next synchronize() publishes the
+    same weights as the run in memory."""
+    from roundpipe import OffloadError
+    model, args, kwargs = _model()
+    ref_pipe, ref_opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None,
+                               steps=2)
+    pipe, opt = _train(model, args, kwargs, 1, "AdamW", None, offload_dir=tmp_path / "t",
+                       steps=1)
+    store = pipe._state.offload
+    failed = []
+
+    def fault(what, key):
+        # in the publish after the step (no step in progress), at a later unit
+        if what == "read" and not failed and store._begun is None and store.staged_bytes:
+            failed.append(key)
+            raise OffloadError("injected: Input/output error")
+    try:
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+        store.fault = fault
+        with pytest.raises(OffloadError, match="injected"):
+            pipe.step(lambda: (opt.step(), opt.zero_grad()))  # its publish fails
+        assert failed and pipe.offload_stats().staged_bytes == 0
+        assert pipe.offload_stats().step == 2  # the step itself is committed
+        with pytest.raises(StepError, match="call pipe.synchronize"):
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                  loss_fn=_loss)
+        pipe.synchronize()
+        _assert_equal(_snapshot(pipe, opt), _snapshot(ref_pipe, ref_opt))
+    finally:
+        pipe.close()
+        ref_pipe.close()

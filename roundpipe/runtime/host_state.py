@@ -45,6 +45,9 @@ class WeightFences:
         self._floor = 0  # version every parameter has reached
         self._target = 0
         self._failed: dict[int, str] = {}  # version -> why it will never be published
+        # version -> why its publish failed, until a later publish of every parameter
+        # (the disk tier: a read error while publishing; synchronize() publishes again)
+        self._retry: dict[int, str] = {}
         self.events: list[tuple[str, str, int, float]] | None = None  # tests turn this on
 
     @property
@@ -74,6 +77,15 @@ class WeightFences:
     def publish_all(self, version: int) -> None:
         with self._cond:
             self._floor = max(self._floor, version)
+            self._retry = {v: why for v, why in self._retry.items() if v > version}
+            self._cond.notify_all()
+
+    def fail_publish(self, version: int, why: str) -> None:
+        """The publish of ``version`` failed before opening every fence: uploads waiting
+        for it raise (instead of waiting for a publish that may never come) until a
+        later publish opens every fence."""
+        with self._cond:
+            self._retry[version] = why
             self._cond.notify_all()
 
     def fail(self, version: int, why: str) -> None:
@@ -92,7 +104,8 @@ class WeightFences:
             while not all(self._version(n) >= version for n in names):
                 if abort is not None and abort.is_set():
                     return False
-                failed = [why for v, why in self._failed.items() if v <= version]
+                failed = [why for v, why in (*self._failed.items(), *self._retry.items())
+                          if v <= version]
                 if failed:
                     raise StepError(failed[0])
                 self._cond.wait(_WAIT_SLICE_S)
@@ -199,7 +212,15 @@ class ModelState:
                     group = tuple(n for n in group if n not in done)
                     if not group:
                         continue
-                    staged = self._stage_for_publish(group, write)
+                    try:
+                        staged = self._stage_for_publish(group, write)
+                    except BaseException as e:
+                        self.fences.fail_publish(version, (
+                            f"reading the masters from offload_dir to publish them failed "
+                            f"({type(e).__name__}: {e}); the weights of the last step are "
+                            "not all published: call pipe.synchronize() to publish them "
+                            "again"))
+                        raise
                     for name in group:
                         self.fences.record("publish_begin", name, version)
                         master = self._masters.get(name)
@@ -246,7 +267,11 @@ class ModelState:
         if self.offload is None or not write:
             return []
         keys = [master_key(n) for n in group if n in self._masters]
-        wait(self.offload.stage(keys))
+        try:
+            wait(self.offload.stage(keys))
+        except BaseException:  # a failed read leaves nothing staged
+            self.offload.evict(keys)
+            raise
         return keys
 
     def _publish_one(self, name: str, master: torch.Tensor, write: bool, keep: bool,

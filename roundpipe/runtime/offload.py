@@ -215,8 +215,9 @@ class OffloadStore:
         self.peak_staged_bytes = 0
         self.bytes_read = 0
         self.bytes_written = 0
-        # Tests inject faults here: called with ("write", key) before each tensor's
-        # write-back and ("commit", step) before the manifest is replaced.
+        # Tests inject faults here: called with ("read", key) before each tensor's read,
+        # ("write", key) before its write-back and ("commit", step) before the manifest
+        # is replaced.
         self.fault: Callable[[str, object], None] | None = None
         self.closed = False
 
@@ -326,6 +327,8 @@ class OffloadStore:
         for entry in self._entries_of(keys):
             if entry.staged:
                 continue
+            if self.fault is not None:
+                self.fault("read", entry.key)
             storage = entry.tensor.untyped_storage()
             storage.resize_(entry.nbytes)
             with self._lock:
