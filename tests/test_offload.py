@@ -437,3 +437,19 @@ def test_a_read_failing_in_the_publish_leaves_nothing_staged(tmp_path):
     finally:
         pipe.close()
         ref_pipe.close()
+
+
+def test_the_option_reaches_the_pipe_through_compile_and_the_trainers_options(tmp_path):
+    """roundpipe.compile(..., offload_dir=) makes a pipe with the tier; RoundPipeTrainer's
+    pipe_options hand offload_dir to RoundPipe (not to the run config)."""
+    from roundpipe.hf.arguments import split_pipe_options
+    model, args, kwargs = _model()
+    pipe = roundpipe.compile(model, example_args=args, optim_dtype=torch.float32,
+                             devices=["cpu"], offload_dir=tmp_path / "t")
+    try:
+        stats = pipe.offload_stats()
+        assert stats is not None and stats.directory == str(tmp_path / "t")
+    finally:
+        pipe.close()
+    pipe_kwargs, run_kwargs = split_pipe_options({"offload_dir": "/x", "num_microbatch": 2})
+    assert pipe_kwargs == {"offload_dir": "/x"} and run_kwargs == {"num_microbatch": 2}
