@@ -654,12 +654,12 @@ def _fail_allocations_after(monkeypatch, n_ok):
     from roundpipe.optim import one_pass
     real, calls = one_pass.OnePass._moment, []
 
-    def moment(self, p):
+    def moment(self, p, *rest):
         calls.append(p)
         if len(calls) > n_ok:
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
                                "can't allocate memory: you tried to allocate 4096 bytes.")
-        return real(self, p)
+        return real(self, p, *rest)
     monkeypatch.setattr(one_pass.OnePass, "_moment", moment)
     return lambda: monkeypatch.setattr(one_pass.OnePass, "_moment", real)
 

@@ -32,6 +32,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import stochastic
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("native_kernels.c")
@@ -46,6 +48,9 @@ _C_DTYPES = {torch.float32: "32", torch.bfloat16: "16"}
 _f, _i, _i64, _p = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _ADAMW_ARGS = [_p, _p, _p, _p, _p, _i64, _f, _f, _i, _f, _f, _f, _f, _f, _f, _f]
 _SGD_ARGS = [_p, _p, _p, _i64, _f, _f, _f, _f, _i, _i, _f, _f]
+_u32 = ctypes.c_uint32
+_ADAMW_SR_ARGS = [_p, _p, _p, _p, _p, _i64] + [_f] * 10 + [_u32] * 5
+_SGD_SR_ARGS = _SGD_ARGS + [_u32] * 3
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -106,6 +111,11 @@ def _load(target: Path) -> ctypes.CDLL:
             getattr(lib, f"rp_adamw_g{g}_s{s}").argtypes = _ADAMW_ARGS
             getattr(lib, f"rp_adamw_ams_g{g}_s{s}").argtypes = _ADAMW_ARGS
             getattr(lib, f"rp_sgd_g{g}_s{s}").argtypes = _SGD_ARGS
+            getattr(lib, f"rp_adamw_sr_g{g}_s{s}").argtypes = _ADAMW_SR_ARGS
+            getattr(lib, f"rp_adamw_sr_ams_g{g}_s{s}").argtypes = _ADAMW_SR_ARGS
+            getattr(lib, f"rp_sgd_sr_g{g}_s{s}").argtypes = _SGD_SR_ARGS
+        getattr(lib, f"rp_sgd_sr_plain_g{g}").argtypes = _SGD_SR_ARGS
+    lib.rp_round_sr.argtypes = [_p, _p, _i64, _u32, _u32, _u32]
     return lib
 
 
@@ -184,7 +194,19 @@ def accepts(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tens
     """Whether the native kernels take these operands: a float32 CPU parameter, gradient
     and states in float32 or bfloat16 (the states all alike), all dense, contiguous and of
     the parameter's size, and at most two gradient factors."""
-    if param.dtype != torch.float32 or n_scales > 2:
+    return param.dtype == torch.float32 and _operands_fit(param, grad, states, n_scales)
+
+
+def accepts_sr(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
+               n_scales: int) -> bool:
+    """Whether the stochastic-rounding kernels take these operands: as :func:`accepts`,
+    with a bfloat16 parameter in place of a float32 one."""
+    return param.dtype == torch.bfloat16 and _operands_fit(param, grad, states, n_scales)
+
+
+def _operands_fit(param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
+                  n_scales: int) -> bool:
+    if n_scales > 2:
         return False
     tensors = [param, grad, *states]
     if any(t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous()
@@ -317,3 +339,63 @@ def sgd(lib: ctypes.CDLL, items: Sequence[Work], *, first: bool, lr: float,
 
         calls.append((call, work.param.numel()))
     _run(calls)
+
+
+def _sr_calls(items: Sequence[stochastic.Item], seed: int, make: Callable[
+        [stochastic.Item, int, int, int, list[int]], None]) -> list[tuple[Call, int]]:
+    """One call per item; each cuts its range where the element index's upper 32 bits
+    change and hands ``make(item, start, stop, lo, keys)`` the keys of that block (stream
+    0's ``ka, kb``, then stream 1's)."""
+    calls: list[tuple[Call, int]] = []
+    for item in items:
+        def call(start: int, stop: int, item=item) -> None:
+            for block, a, b in stochastic.blocks(start, stop):
+                ks = [k for stream in (stochastic.WEIGHT_STREAM, stochastic.SECOND_STREAM)
+                      for k in stochastic.keys(seed, item.step, item.index, block, stream)]
+                make(item, a, b, a - block * stochastic.BLOCK, ks)
+
+        calls.append((call, item.param.numel()))
+    return calls
+
+
+def _sr_suffix(item: stochastic.Item) -> str:
+    state = item.states[0].dtype if item.states else torch.float32
+    return f"g{_C_DTYPES[item.grad.dtype]}_s{_C_DTYPES[state]}"
+
+
+def adamw_sr(lib: ctypes.CDLL, items: Sequence[stochastic.Item], seed: int, *,
+             amsgrad: bool, **hyper: float) -> None:
+    """AdamW on bfloat16 parameters, rounded stochastically (stochastic.py): bit for bit
+    ``stochastic.adamw``."""
+    def make(item: stochastic.Item, start: int, stop: int, lo: int, ks: list[int]) -> None:
+        fn = getattr(lib, f"rp_adamw_sr_{'ams_' if amsgrad else ''}{_sr_suffix(item)}")
+        m, v = item.states[0], item.states[1]
+        vmax = item.states[2] if amsgrad else None
+        fn(_ptr(item.param, start), _ptr(item.grad, start), _ptr(m, start), _ptr(v, start),
+           _ptr(vmax, start), stop - start, *stochastic.adamw_constants(item.step, **hyper),
+           *item.scale, lo, *ks)
+
+    _run(_sr_calls(items, seed, make))
+
+
+def sgd_sr(lib: ctypes.CDLL, items: Sequence[stochastic.Item], seed: int, *, first: bool,
+           nesterov: bool, **hyper: float) -> None:
+    """SGD on bfloat16 parameters, rounded stochastically: bit for bit ``stochastic.sgd``."""
+    consts = stochastic.sgd_constants(**hyper)
+
+    def make(item: stochastic.Item, start: int, stop: int, lo: int, ks: list[int]) -> None:
+        buf = item.states[0] if item.states else None
+        fn = getattr(lib, f"rp_sgd_sr_{_sr_suffix(item)}" if buf is not None else
+                     f"rp_sgd_sr_plain_g{_C_DTYPES[item.grad.dtype]}")
+        fn(_ptr(item.param, start), _ptr(item.grad, start), _ptr(buf, start), stop - start,
+           *consts, int(nesterov), int(first), *item.scale, lo, *ks[:2])
+
+    _run(_sr_calls(items, seed, make))
+
+
+def round_sr(lib: ctypes.CDLL, x: torch.Tensor, lo: int, ka: int, kb: int) -> torch.Tensor:
+    """float32 ``x`` (contiguous) rounded as the kernels round the weights of the
+    elements at ``lo ...`` within a block, under keys ``(ka, kb)`` (for tests)."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    lib.rp_round_sr(x.data_ptr(), out.data_ptr(), x.numel(), lo, ka, kb)
+    return out

@@ -20,10 +20,12 @@ import torch
 from ..errors import HostOutOfMemoryError, OptimizerError
 from ..runtime.masters import (LandedGrads, UnitSchedule, owner_of, raw_grad,
                                set_raw_grad)
-from . import kernels, native
+from . import kernels, native, stochastic
 
 #: the update kernels an optimizer may be asked for (native.py, kernels.py)
 KERNELS = ("auto", "native", "fused")
+#: the param-group options of stochastic rounding, and their defaults
+SR_OPTIONS = {"stochastic_rounding": False, "seed": 0}
 
 
 def _unwrapped_step(cls: type) -> Callable[..., Any]:
@@ -64,6 +66,16 @@ class OnePass:
             raise OptimizerError(f"state_dtype must be a floating dtype such as "
                                  f"torch.bfloat16 (or None for float32), got {state_dtype!r}")
         self.state_dtype = None if state_dtype == torch.float32 else state_dtype
+        # As given: stochastically rounded bf16 parameters keep float32 moments only when
+        # asked for by name (their default is the parameter's dtype, bf16).
+        self._state_dtype_given = state_dtype
+        given = self.__dict__.get("_sr_defaults", {})
+        self._check_stochastic_rounding({"params": [], **given})
+        if given.get("stochastic_rounding"):
+            # only then: without it the state_dict stays torch's, key for key
+            self.defaults.update(given)  # type: ignore[attr-defined]
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            self._check_stochastic_rounding(group)
         if not hasattr(self, "_bindings"):
             self._bindings = []
         if not getattr(self, "_unbinds", False):  # once: a second would unbind twice
@@ -71,10 +83,20 @@ class OnePass:
             self._unbinds = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):
+            # The options go into a group (and its state_dict) only where it rounds.
+            given = self.__dict__.get("_sr_defaults", {})
+            defaults = getattr(self, "defaults", {})
+            default = {k: defaults.get(k, given.get(k, v)) for k, v in SR_OPTIONS.items()}
+            if param_group.get("stochastic_rounding", default["stochastic_rounding"]):
+                for key, value in default.items():
+                    param_group.setdefault(key, value)
         super().add_param_group(param_group)  # type: ignore[misc]
         if not hasattr(self, "_bindings"):  # torch's __init__ adds the first groups
             self._bindings = []
         group = self.param_groups[-1]  # type: ignore[attr-defined]
+        if hasattr(self, "state_dtype"):  # a group added after construction
+            self._check_stochastic_rounding(group)
         for p in group["params"]:
             owner = owner_of(p)
             if owner is None:
@@ -98,6 +120,58 @@ class OnePass:
         return owner_of(p) is not None or (self.state_dtype is not None
                                            and p.device.type == "cpu")
 
+    def _handles_in(self, group: dict[str, Any], p: torch.Tensor) -> bool:
+        """:meth:`_handles`, and every parameter of a stochastically rounded group (those
+        that cannot be rounded are refused by its check, not left to torch)."""
+        return bool(group.get("stochastic_rounding")) or self._handles(p)
+
+    def _check_stochastic_rounding(self, group: dict[str, Any]) -> None:
+        """Refuse, before anything runs, what stochastic rounding cannot do exactly (see
+        :class:`roundpipe.optim.AdamW`)."""
+        sr, seed = group.get("stochastic_rounding", False), group.get("seed", 0)
+        name = type(self).__name__
+        if not isinstance(sr, bool):
+            raise OptimizerError(f"{name}: stochastic_rounding must be True or False, "
+                                 f"got {sr!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise OptimizerError(f"{name}: seed must be an int in [0, 2**64) (it keys the "
+                                 f"random bits of stochastic rounding), got {seed!r}")
+        if not sr:
+            return
+        given = self.__dict__.get("_state_dtype_given")
+        if given not in (None, torch.float32, torch.bfloat16):
+            raise OptimizerError(
+                f"{name}(stochastic_rounding=True) keeps its moments in bfloat16 (the "
+                f"default) or float32; state_dtype={given} is not supported: pass "
+                "state_dtype=torch.bfloat16, torch.float32 or None")
+        groups = self.param_groups  # type: ignore[attr-defined]
+        g = next((k for k, other in enumerate(groups) if other is group), len(groups))
+        for i, p in enumerate(group["params"]):
+            where = f"parameter {i} of param group {g} (shape {tuple(p.shape)}, {p.dtype})"
+            owner = owner_of(p)
+            if owner is not None:
+                raise OptimizerError(
+                    f"{name}(stochastic_rounding=True) was given a pipe's master copy "
+                    f"({owner[1]!r}): with masters (optim_dtype) the update is already "
+                    "kept in full precision and the weights are rounded from it, so "
+                    "stochastic rounding has nothing to do. Either drop "
+                    "stochastic_rounding, or build the pipe with optim_dtype=None and a "
+                    "bfloat16 model so the optimizer updates its weights directly (6 bytes "
+                    "per parameter with bfloat16 moments)")
+            if p.dtype != torch.bfloat16:
+                why = ("a float32 parameter holds the float32 update exactly, there is "
+                       "nothing to round" if p.dtype == torch.float32 else
+                       "only rounding to bfloat16 is implemented")
+                raise OptimizerError(
+                    f"{name}(stochastic_rounding=True) got {where}: {why}. Use "
+                    "stochastic_rounding only on bfloat16 parameters (model.bfloat16()), "
+                    "or put the others in a param group with stochastic_rounding=False")
+            if p.device.type != "cpu":
+                raise OptimizerError(
+                    f"{name}(stochastic_rounding=True) got {where} on {p.device}: the "
+                    "rounding kernels run on the host; keep the parameters on the CPU "
+                    "(a RoundPipe does) or use torch.optim for device parameters")
+
     def _landed_bindings(self) -> list[LandedGrads]:
         return list({id(b[0]): b[0] for b in self._bindings}.values())
 
@@ -109,7 +183,7 @@ class OnePass:
                 loss = closure()
         groups = self.param_groups  # type: ignore[attr-defined]
         for g in groups:
-            if any(self._handles(p) for p in g["params"]):
+            if any(self._handles_in(g, p) for p in g["params"]):
                 self._check_group(g)
         self._step_groups(groups, torch_rest=True)
         return loss
@@ -162,7 +236,7 @@ class OnePass:
 
     def _step_groups(self, groups: list[dict[str, Any]], *, torch_rest: bool,
                      on_prepared: Callable[[], None] | None = None) -> None:
-        mine = [[p for p in g["params"] if self._handles(p)] for g in groups]
+        mine = [[p for p in g["params"] if self._handles_in(g, p)] for g in groups]
         landed = self._landed_bindings()
         for binding in landed:
             if not binding.on_step_thread():
@@ -264,15 +338,17 @@ class OnePass:
                     state = self.state[p]  # type: ignore[attr-defined]
                     for key in keys:
                         if state.get(key) is None:
-                            state[key] = self._moment(p, key)
+                            state[key] = self._moment(p, key, group)
                             created.append((p, key))
             # Conversion buffers for what torch's fused kernels will update: everything
             # without the native loop, else the parameters it does not take (not float32).
             fused_all = self.kernel == "fused" or native.library() is None
             n_slots = 1 + max((len(self._state_keys(g)) for g, pairs in work if pairs),
                               default=0)
-            for dtype in {p.dtype for _, pairs in work for p, _ in pairs
-                          if fused_all or p.dtype != torch.float32}:
+            # (Stochastically rounded groups convert nothing through scratch.)
+            for dtype in {p.dtype for g, pairs in work for p, _ in pairs
+                          if (fused_all or p.dtype != torch.float32)
+                          and not g.get("stochastic_rounding")}:
                 for slot in range(n_slots):
                     self._scratch().get(slot, dtype, kernels.CHUNK)
         except BaseException as e:
@@ -392,23 +468,66 @@ class OnePass:
             raise OptimizerError("differentiable=True and capturable=True are not supported "
                                  "by roundpipe.optim's kernels (host tensors updated outside "
                                  "autograd and CUDA graphs); use torch.optim for them")
+        self._check_stochastic_rounding(group)  # parameters may have changed dtype since
 
     def _is_fresh(self, p: torch.Tensor, key: str) -> bool:
         """Whether ``p``'s state ``key`` was created by the step in progress."""
         return (id(p), key) in self.__dict__.get("_fresh", ())
 
-    def _moment(self, p: torch.Tensor, key: str | None = None) -> torch.Tensor:
+    def _moment_dtype(self, p: torch.Tensor, group: dict[str, Any]) -> torch.dtype:
+        if group.get("stochastic_rounding") and self.__dict__.get(
+                "_state_dtype_given") == torch.float32:
+            return torch.float32
+        return self.state_dtype or p.dtype
+
+    def _moment(self, p: torch.Tensor, key: str | None = None,
+                group: dict[str, Any] | None = None) -> torch.Tensor:
+        dtype = self._moment_dtype(p, group or {})
         owner = owner_of(p)
         store = owner[0].offload if owner is not None else None
         if store is None or key is None:
-            return torch.zeros_like(p, dtype=self.state_dtype or p.dtype,
-                                    memory_format=torch.contiguous_format)
+            return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
         # The disk tier: the moment starts as zeros in its file, staged when its unit
         # is updated (its memory is never touched here).
-        t = torch.empty_like(p, dtype=self.state_dtype or p.dtype,
-                             memory_format=torch.contiguous_format)
+        t = torch.empty_like(p, dtype=dtype, memory_format=torch.contiguous_format)
         store.register(f"state/{owner[1]}/{key}", t, group=owner[1], zeros=True)
         return t
+
+    def _stochastic_items(self, group: dict[str, Any], items: list[kernels.Item],
+                          maximize: bool) -> list[stochastic.Item]:
+        """``items`` (of a stochastically rounded group) with their step counts and their
+        places in the parameter order (which key the random bits)."""
+        index = {id(p): i for i, p in enumerate(
+            p for g in self.param_groups for p in g["params"])}  # type: ignore[attr-defined]
+        out = []
+        for item in items:
+            # At most two factors (clipping, unscaling), and only a master's landed
+            # gradient has any: these parameters are never masters.
+            scale = [float(f) for f in item.scale] + [1.0] * (2 - len(item.scale))
+            if maximize:
+                scale[0] = -scale[0]
+            step = item.step if item.step is not None else advance_step(
+                self.state[item.param])  # type: ignore[attr-defined]
+            out.append(stochastic.Item(item.param.detach(), item.grad.detach(),
+                                       [s.detach() for s in item.states], int(step.item()),
+                                       index[id(item.param)], (scale[0], scale[1])))
+        return out
+
+    def _run_stochastic(self, items: list[stochastic.Item],
+                        native_fn: Callable[..., None], torch_fn: Callable[..., None],
+                        **kwargs: Any) -> None:
+        """Update ``items`` with the native kernels where they take them, else in torch
+        operations (bit for bit the same), then mark the parameters written."""
+        lib = None if self.kernel == "fused" else native.library()
+        mine = [i for i in items if lib is not None and native.accepts_sr(
+            i.param, i.grad, i.states, 2)]
+        rest = [i for i in items if not any(i is m for m in mine)]
+        if mine:
+            native_fn(lib, mine, **kwargs)
+        if rest:
+            torch_fn(rest, chunk=kernels.CHUNK, **kwargs)
+        for item in items:  # as torch's in-place step would (autograd's saved tensors)
+            torch.autograd.graph.increment_version(item.param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; for a pipe's masters it also drops gradients still held where they
@@ -442,14 +561,15 @@ class OnePass:
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # type: ignore[misc]
-        state["state_dtype"] = self.state_dtype
+        state["state_dtype"] = self.__dict__.get("_state_dtype_given", self.state_dtype)
         state["kernel"] = self.kernel
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         # load_state_dict calls this too, with torch's keys only: keep the setting then.
-        state_dtype = state.pop("state_dtype", getattr(self, "state_dtype", None))
+        state_dtype = state.pop("state_dtype", self.__dict__.get(
+            "_state_dtype_given", getattr(self, "state_dtype", None)))
         kernel = state.pop("kernel", getattr(self, "kernel", "auto"))
         super().__setstate__(state)  # type: ignore[misc]
         self._init_one_pass(state_dtype, "auto" if kernel == "native" and
@@ -486,13 +606,21 @@ class OnePass:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
+        groups = self.param_groups  # type: ignore[attr-defined]
+        for group in groups:  # a state_dict saved without the options: this optimizer's
+            for key in SR_OPTIONS:
+                if key in self.defaults:  # type: ignore[attr-defined]
+                    group.setdefault(key, self.defaults[key])  # type: ignore[attr-defined]
+            self._check_stochastic_rounding(group)
+        group_of = {id(p): g for g in groups for p in g["params"]}
         # torch casts state to the parameter's dtype; moments kept in state_dtype stay so.
         for p, state in self.state.items():  # type: ignore[attr-defined]
-            if self._handles(p):
+            group = group_of.get(id(p), {})
+            if self._handles_in(group, p):
                 for key, value in list(state.items()):
                     if key != "step" and isinstance(value, torch.Tensor) and \
                             value.is_floating_point():
-                        state[key] = value.to(self.state_dtype or p.dtype).contiguous()
+                        state[key] = value.to(self._moment_dtype(p, group)).contiguous()
         for landed in self._landed_bindings():  # the disk tier: the loaded state to files
             if landed.absorb is not None:
                 landed.absorb(self)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import kernels, native
+from . import kernels, native, stochastic
 from .one_pass import OnePass
 
 
@@ -18,7 +18,13 @@ class SGD(OnePass, torch.optim.SGD):
     (no fp32 ``.grad``) and writes master and momentum in the same pass.  Plain
     parameters are stepped by torch's own SGD.  ``state_dtype``: the momentum buffer's
     dtype (default float32).  ``kernel``: as for :class:`roundpipe.optim.AdamW`
-    (``"fused"``: bit for bit ``torch.optim.SGD(fused=True)``)."""
+    (``"fused"``: bit for bit ``torch.optim.SGD(fused=True)``).
+
+    ``stochastic_rounding=True``, ``seed``: a bfloat16 model trained with no masters, the
+    update computed in float32 and the weight (and a bf16 momentum buffer, with its own
+    bits) rounded stochastically, bitwise reproducible; as for
+    :class:`roundpipe.optim.AdamW`, with the step count kept in the state as ``"step"``
+    (torch's SGD keeps none)."""
 
     _torch_base = torch.optim.SGD
     # torch 2.11-2.13's fused CPU SGD skips whole vector blocks of bf16/fp16 parameters
@@ -26,7 +32,10 @@ class SGD(OnePass, torch.optim.SGD):
     _fused_dtypes = frozenset({torch.float32, torch.float64})
 
     def __init__(self, params: Any, *args: Any, state_dtype: torch.dtype | None = None,
-                 kernel: str = "auto", **kwargs: Any) -> None:
+                 kernel: str = "auto", stochastic_rounding: bool = False, seed: int = 0,
+                 **kwargs: Any) -> None:
+        # param-group options (saved in state_dict), read by add_param_group
+        self._sr_defaults = {"stochastic_rounding": stochastic_rounding, "seed": seed}
         super().__init__(params, *args, **kwargs)
         self._init_one_pass(state_dtype, kernel)
 
@@ -52,6 +61,13 @@ class SGD(OnePass, torch.optim.SGD):
                 kernels.Item(p, grad, [state["momentum_buffer"]], scale=self._scale_of(p)))
         for items, is_first in ((first, True), (later, False)):
             if not items:
+                continue
+            if group.get("stochastic_rounding"):
+                rounded = dict(hyper)
+                self._run_stochastic(
+                    self._stochastic_items(group, items, rounded.pop("maximize")),
+                    native.sgd_sr, stochastic.sgd, seed=group.get("seed", 0), first=is_first,
+                    **rounded)
                 continue
 
             def fused(params, grads, states, steps, is_first=is_first) -> None:
