@@ -25,7 +25,12 @@ order, AdamW with warmup and cosine decay, gradients clipped to 1.0:
 * ``warm``: ``predict`` after ``--warm-steps`` exact steps (``async_after``);
 * ``stale``: plain PyTorch again, each gradient taken at the weights from before the
   previous step (the schedule ``async`` follows, without roundpipe): tells what the
-  staleness costs from what roundpipe would add.
+  staleness costs from what roundpipe would add;
+* ``sr``: a bfloat16 model with no masters (``optim_dtype=None``), exact steps,
+  ``roundpipe.optim.AdamW(stochastic_rounding=True)`` with bfloat16 moments (6 bytes per
+  parameter); compare with ``exact`` (float32 masters);
+* ``bf16``: the same model and pipe with torch's fused AdamW, which computes in float32
+  and rounds weights and moments to nearest (what stochastic rounding is against).
 
 The validation loss of a pipe is measured on a copy of the model loaded with
 ``pipe.state_dict()`` (the masters, after every step taken), which waits for a pending
@@ -54,11 +59,15 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import roundpipe  # noqa: E402
+import roundpipe.optim  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 from train_gpt import GPT  # noqa: E402
 from benchutil import add_smoke_flag, apply_smoke  # noqa: E402
 
-RUNS = ("eager", "exact", "async", "async4", "stale", "predict", "warm")
+RUNS = ("eager", "exact", "async", "async4", "stale", "predict", "warm", "sr", "bf16")
+#: runs of a bfloat16 model with no masters (optim_dtype=None): roundpipe.optim.AdamW with
+#: stochastic rounding, and torch's fused AdamW (float32 math, rounded to nearest)
+BF16_RUNS = ("sr", "bf16")
 
 
 def corpus(holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -116,6 +125,8 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
     steps = args.steps if steps is None else steps
     model = GPT(256, d=args.d, layers=args.layers, heads=args.heads, max_len=args.seq)
     model.load_state_dict(init)
+    if run in BF16_RUNS:
+        model = model.to(torch.bfloat16)
     mb = args.num_microbatch
     pipe = None
     lagged = None
@@ -126,18 +137,20 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
         params = list(model.parameters())
     else:
         pipe = roundpipe.RoundPipe(model, devices=["cpu"] * (4 if run == "async4" else 1),
-                                   optim_dtype=torch.float32,
+                                   optim_dtype=None if run in BF16_RUNS else torch.float32,
                                    model_run_config=RoundPipeRunConfig(num_microbatch=mb),
                                    predict_weights=run in ("predict", "warm"),
                                    async_after=args.warm_steps if run == "warm" else 0)
         params = pipe.optim_parameters()
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = (roundpipe.optim.AdamW(params, **hyper, stochastic_rounding=True) if run == "sr"
+           else torch.optim.AdamW(params, **hyper, fused=run == "bf16"))
     probe = GPT(256, d=args.d, layers=args.layers, heads=args.heads, max_len=args.seq)
 
     def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # A mean per microbatch over equal microbatches, divided by their number: the
         # sum forward_backward returns is the batch's mean, as eager's.
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten()) / mb
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / mb
 
     def evaluate() -> float:
         if pipe is None:
@@ -179,7 +192,7 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
                     group["lr"] = lr
                 opt.step()
                 opt.zero_grad()
-            pipe.step(step_fn, is_async=run != "exact")
+            pipe.step(step_fn, is_async=run not in ("exact",) + BF16_RUNS)
         train_losses.append(loss.item())
         if snapshot_at == step + 1:
             weights = pipe.state_dict() if pipe is not None else model.state_dict()
@@ -206,7 +219,7 @@ def plot(results: dict[str, dict], path: str, args: argparse.Namespace) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = {"eager": "-", "exact": "--", "async": "-", "async4": ":", "stale": "-.",
-              "predict": "-", "warm": "--"}
+              "predict": "-", "warm": "--", "sr": "-", "bf16": ":"}
     for run, result in results.items():
         steps, losses = zip(*result["curve"])
         ax.plot(steps, losses, styles[run], label=f"{run} ({losses[-1]:.4f})")

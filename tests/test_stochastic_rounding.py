@@ -259,7 +259,7 @@ def test_results_do_not_depend_on_threads_chunks_or_blocks(kernel, cls, kwargs, 
         assert all(_bitwise(x, y) for x, y in zip(ref, got))
         assert _same_state(_state_bits(ref_opt, ref), _state_bits(opt, got))
     monkeypatch.setattr(native, "_MIN_PER_THREAD", 1000)
-    monkeypatch.setattr(roundpipe.optim.kernels, "CHUNK", 4096 + 7)
+    monkeypatch.setattr(stochastic, "CHUNK", 4096 + 7)
     got, _ = _steps(cls, kernel, params, threads=3, **kwargs)
     assert all(_bitwise(x, y) for x, y in zip(ref, got))
     monkeypatch.setattr(stochastic, "BLOCK", 1000)

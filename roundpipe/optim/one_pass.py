@@ -525,7 +525,7 @@ class OnePass:
         if mine:
             native_fn(lib, mine, **kwargs)
         if rest:
-            torch_fn(rest, chunk=kernels.CHUNK, **kwargs)
+            torch_fn(rest, chunk=stochastic.CHUNK, **kwargs)
         for item in items:  # as torch's in-place step would (autograd's saved tensors)
             torch.autograd.graph.increment_version(item.param)
 
