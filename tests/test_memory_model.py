@@ -1,7 +1,10 @@
 """The lifetime-based stage memory estimate (``passes/memory.py``) against the device
 memory measured on virtual devices (``measure_memory``): every stage's
-``StageSpec.memory_bytes`` / ``RunStats.stage_peak_bytes`` must lie in [0.95, 1.15]
-(issue 18), at both recompute grains, 1 and 4 microbatches, 1 and 4 devices."""
+``StageSpec.memory_bytes`` / ``RunStats.stage_peak_bytes`` must lie in [0.95, 1.07], at
+both recompute grains, 1 and 4 microbatches, 1 and 4 devices.  Measured on 2026-11-26
+(the byte counts do not depend on the machine's load): 0.959 (T5's loss stage) to 1.059
+(the GPT's loss stage), most forward and backward stages 1.000.  The band was [0.95,
+1.15] (issue 18); with it, an estimate 2.5% high on every stage passed (issue 33)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.passes.cost import DeviceModel
 from roundpipe.passes.memory import MemoryModel
 
-BAND = (0.95, 1.15)
+BAND = (0.95, 1.07)
 
 
 def _ce(out, labels):
@@ -116,8 +119,25 @@ def test_cuda_device_model_rounds_each_tensor_to_512_bytes():
         assert rounded.memory_bytes > small.memory_bytes
 
 
-def test_device_memory_is_the_largest_job_and_the_largest_prefetched_weights():
-    model, args, kwargs = models.gpt(batch=5)
-    plan = RoundPipe(model, devices=["cpu"] * 4).compile(args, kwargs)
-    assert plan.device_memory_bytes == (max(s.memory_bytes for s in plan.stages)
-                                        + max(s.param_bytes for s in plan.stages))
+@pytest.mark.parametrize("devices, microbatches", [(1, 4), (4, 4)])
+def test_device_memory_bounds_the_measured_device_peak(devices, microbatches):
+    """``plan.device_memory_bytes`` (a job at its peak and the weights prefetched for the
+    next, together: what the memory budget is checked against) against the most bytes a
+    device held during a call, prefetched weights included.  On one device the largest
+    job and the prefetch share the device and the bound is met (measured: 1.001
+    of it); on four it is an upper bound (0.66 of it)."""
+    torch.manual_seed(0)
+    model = models.GPT(vocab=128, d=64, layers=4, max_len=32)
+    x = torch.randint(0, 128, (8, 32))
+    pipe = RoundPipe(model, devices=["cpu"] * devices, measure_memory=True,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=microbatches))
+    try:
+        pipe.forward_backward(input_args=(x,), label=x, loss_fn=models.lm_loss)
+        pipe.synchronize()
+        bound = pipe.plan.device_memory_bytes
+        ratios = [d.peak_allocated_bytes / bound for d in pipe.stats().devices]
+    finally:
+        pipe.close()
+    assert max(ratios) <= 1.01, ratios
+    if devices == 1:
+        assert max(ratios) >= 0.93, ratios
