@@ -176,3 +176,31 @@ def test_grad_scaler_unscale_then_clip_like_torch():
     assert fp32_grads == [0] * 5
     for a, b in zip(ours, ref):
         assert _rel(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_clip_scales_down_only_like_torch(factor):
+    """A max_norm above the gradients' norm leaves them as they are, one below scales
+    them to it: the same norm and gradients as torch's clip_grad_norm_ (float64).  The
+    cases above clip every step, so clipping that also scaled small gradients up went
+    unseen (bench/mutants.py clip-scales-up)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 2)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    F.mse_loss(eager(x), y).backward()
+    total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in eager.parameters()]))
+    max_norm = factor * total.item()
+    want_norm = torch.nn.utils.clip_grad_norm_(eager.parameters(), max_norm)
+    with RoundPipe(model, devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=1)) as pipe:
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        pipe.synchronize()
+        norm = pipe.clip_grad_norm_(max_norm)
+        grads = [p.grad.clone() for p in pipe.optim_parameters()]
+    torch.testing.assert_close(norm, want_norm, rtol=1e-10, atol=0)
+    for g, p in zip(grads, eager.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-12)
