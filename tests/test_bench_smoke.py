@@ -152,6 +152,7 @@ BENCH = [
     ("bench/exact_step.py", ["--smoke"], "| clipped to 1.0 | per unit |"),
     ("bench/gpu_profile.py", ["--smoke"], "=== microbatches 2"),
     ("bench/hf_sweep.py", ["--smoke"], "llama"),
+    ("bench/mutants.py", ["--smoke"], "score: 1/1 caught"),
     ("bench/host_memory.py", ["--smoke"], "bf16-fp32-rpadamwdisk"),
     ("bench/optimizer.py", ["--smoke"], "roundpipe.optim.AdamW(state_dtype=bf16), native"),
     ("bench/optimizer.py", ["--smoke", "--disk-only"], "disk tier step / I/O bound"),
