@@ -905,6 +905,10 @@ class RoundPipe:
         is_async = is_async and not warm
         groups = None
         if optimizer is not None and not is_async and \
+                self._overlap_blocker(optimizer, record, history=False) is None:
+            # an older step in flight may still keep prediction history when it runs
+            self._optimizer.wait()
+        if optimizer is not None and not is_async and \
                 self._overlap_blocker(optimizer, record) is None:
             try:
                 groups = optimizer.frozen_groups()
@@ -930,16 +934,18 @@ class RoundPipe:
         blocker = self._overlap_blocker(optimizer, record=False)
         return "per unit" if blocker is None else f"whole update: {blocker}"
 
-    def _overlap_blocker(self, optimizer: torch.optim.Optimizer, record: bool) -> str | None:
+    def _overlap_blocker(self, optimizer: torch.optim.Optimizer, record: bool,
+                         history: bool = True) -> str | None:
         """Why an exact ``pipe.step(optimizer)`` cannot publish unit by unit (None: it
-        can)."""
+        can); ``history=False``: without asking whether weight prediction keeps history
+        (an older step in flight may still start it)."""
         if not self._state.has_masters:
             return ("no separate masters (optim_dtype=None): the optimizer writes the "
                     "weights the next call reads")
         if not hasattr(optimizer, "step_frozen"):
             return (f"{type(optimizer).__name__} steps all its parameters at once; "
                     "roundpipe.optim's optimizers update unit by unit")
-        if record or self._state.previous_masters():
+        if record or (history and self._state.previous_masters()):
             return "weight prediction keeps each step's starting masters (async steps)"
         if self._sync_hooks:
             return "a GradScaler is attached to this pipe (use a step_fn with it)"

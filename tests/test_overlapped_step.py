@@ -239,7 +239,7 @@ def test_the_next_call_measures_the_time_it_waited_for_a_publishing_step(monkeyp
             return pipe.stats().weights_wait_s
         fb()
         pipe.step(lambda: (opt.step(), opt.zero_grad()))  # waited for whole
-        assert fb() == 0.0
+        assert fb() < 0.01  # nothing in flight: at most lock noise
         monkeypatch.setattr(roundpipe.optim.AdamW, "_update_group", slow)
         pipe.step(opt)  # five units of 50 ms, the first job waits for its own
         waited = fb()

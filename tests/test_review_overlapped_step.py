@@ -353,9 +353,12 @@ def test_after_a_part_way_failure_no_call_runs_on_the_mixed_weights_until_a_load
         with pytest.raises(StepError):
             pipe.synchronize()
         monkeypatch.undo()
-        pipe.synchronize()  # nothing pending any more: publishes a new version
-        with pytest.raises(StepError):
+        with pytest.raises(StepError, match="mix two steps"):
+            pipe.synchronize()  # publishing now would hand the mix to every call
+        with pytest.raises(StepError, match="mix two steps"):
             _within(lambda: _fb(pipe, x, y), pipe=pipe)
+        with pytest.raises(StepError, match="mix two steps"):
+            pipe.step(opt)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

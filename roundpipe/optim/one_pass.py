@@ -192,7 +192,13 @@ class OnePass:
         """The param groups as they are now (copies, checked), for :meth:`step_frozen`
         later on another thread: a learning-rate scheduler stepping meanwhile changes
         the next step, not this one."""
-        groups = [{**g, "params": list(g["params"])}
+        def frozen(value: Any) -> Any:  # a tensor lr is written in place by schedulers
+            if isinstance(value, torch.Tensor):
+                return value.detach().clone()
+            if isinstance(value, tuple):
+                return tuple(frozen(v) for v in value)
+            return value
+        groups = [{k: (list(v) if k == "params" else frozen(v)) for k, v in g.items()}
                   for g in self.param_groups]  # type: ignore[attr-defined]
         for g in groups:
             self._check_group(g)
@@ -529,11 +535,14 @@ class OnePass:
         for item in items:  # as torch's in-place step would (autograd's saved tensors)
             torch.autograd.graph.increment_version(item.param)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True,
+                  groups: list[dict[str, Any]] | None = None) -> None:
         """As torch's; for a pipe's masters it also drops gradients still held where they
-        landed, after any step in progress (so no step loses the gradient it reads)."""
+        landed, after any step in progress (so no step loses the gradient it reads).
+        ``groups``: those (e.g. :meth:`frozen_groups`) instead of ``param_groups``."""
         def zero() -> None:
-            for group in self.param_groups:  # type: ignore[attr-defined]
+            for group in (self.param_groups if groups is None  # type: ignore[attr-defined]
+                          else groups):
                 for p in group["params"]:
                     owner = owner_of(p)
                     held = owner is not None and owner[0].discard(owner[1])
@@ -583,10 +592,24 @@ class OnePass:
                     owner[0].optimizers.add(self)
                     self._bindings.append(owner)
 
+    def _behind_step(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` after the bound pipe's step in flight (on its optimizer thread):
+        what reads or replaces the state must not meet a step half-way."""
+        landed = self._landed_bindings()
+        if landed and not landed[0].on_step_thread():
+            try:
+                return landed[0].serial(fn)
+            except RuntimeError:  # the pipe was closed: no step can be pending
+                pass
+        return fn()
+
     def state_dict(self) -> dict[str, Any]:
-        """As torch's; with a pipe's disk tier (``offload_dir``) the state tensors of its
-        masters are read from their files into new tensors (they are not in memory
-        between steps)."""
+        """As torch's, after the bound pipe's step in flight; with a pipe's disk tier
+        (``offload_dir``) the state tensors of its masters are read from their files
+        into new tensors (they are not in memory between steps)."""
+        return self._behind_step(self._state_dict_now)
+
+    def _state_dict_now(self) -> dict[str, Any]:
         sd = super().state_dict()  # type: ignore[misc]
         index: dict[int, int] = {}
         for group in self.param_groups:  # type: ignore[attr-defined]
@@ -605,6 +628,11 @@ class OnePass:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, after the bound pipe's step in flight (which must not step the
+        loaded state)."""
+        self._behind_step(lambda: self._load_state_dict_now(state_dict))
+
+    def _load_state_dict_now(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
         groups = self.param_groups  # type: ignore[attr-defined]
         for group in groups:  # a state_dict saved without the options: this optimizer's

@@ -95,6 +95,10 @@ class WeightFences:
             self._failed[version] = why
             self._cond.notify_all()
 
+    def clear_failed(self) -> None:
+        with self._cond:
+            self._failed.clear()
+
     def wait(self, names: Iterable[str], version: int,
              abort: threading.Event | None = None) -> bool:
         """Block until every parameter in ``names`` reached ``version``; False if aborted.
@@ -131,6 +135,10 @@ class ModelState:
         self._history = False
         self._predicted = False
         self._lock = threading.Lock()
+        # Why the masters, optimizer state and weights mix two steps (a step that failed
+        # part-way after publishing some units): every call and step refuses until
+        # state is loaded.
+        self.mixed: str | None = None
         self._params = dict(model.named_parameters())
         # Publish order: groups of parameter names, one per layer unit of the program in
         # use (set by HostState), so the first units' fences open first.
@@ -248,7 +256,9 @@ class ModelState:
             seen.update(group)
             if group:
                 groups.append(group)
-        units = [tuple(n for n in g if self._params[n].requires_grad) for g in groups]
+        # every name with a master (a parameter frozen after its gradient landed is
+        # still stepped, as eager steps it)
+        units = [tuple(n for n in g if n in self._masters) for g in groups]
 
         def after_unit(k: int) -> None:
             with self._lock, torch.no_grad():
@@ -451,7 +461,10 @@ class ModelState:
             self._history = True
 
     def load_masters(self, values: Mapping[str, torch.Tensor]) -> None:
-        """Set masters from ``values`` exactly (their weights follow at the next publish)."""
+        """Set masters from ``values`` exactly (their weights follow at the next publish);
+        clears a step's part-way failure (``mixed``)."""
+        self.mixed = None
+        self.fences.clear_failed()
         with torch.no_grad():
             for name, value in values.items():
                 if name in self._params and self._params[name].requires_grad and \

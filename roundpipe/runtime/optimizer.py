@@ -38,6 +38,10 @@ class _Verdict:
         self.misbuilt = False
 
 
+class _MixedStep(Exception):
+    """A step that failed after publishing some units (its message says so)."""
+
+
 class OptimizerWorker:
     """Runs optimizer steps on a dedicated CPU thread, one at a time, in order."""
 
@@ -160,23 +164,29 @@ class OptimizerWorker:
         self._local.inside, self._local.version = True, version
         try:
             optimizer.step_frozen(groups, on_prepared=on_prepared)
-            optimizer.zero_grad()
+            optimizer.zero_grad(groups=groups)  # the groups it stepped, not later ones
             if host.offload is not None:
                 host.offload_finish()
             self._checked = True
         except BaseException as e:
             if host.offload is not None:  # the files stay at the last whole step
                 host.offload_rollback()
-            if schedule.started:
-                # Not expected (what can fail ran before the first unit): units
-                # 0..finished-1 were published with the new weights; the next call's
-                # uploads of the others raise instead of mixing steps.
-                why = (f"the step failed part-way ({type(e).__name__}: {e}) after "
-                       f"{schedule.finished} of {len(schedule.units)} units were updated "
-                       "and published; the weights mix two steps: load a checkpoint")
-                log.error("roundpipe: %s", why)
-                host.fences.fail(version, why)
-            raise
+            if not schedule.started:  # nothing was written: the weights are this version's
+                host.fences.publish_all(version)
+                raise
+            # Not expected (what can fail ran before the first unit): units before
+            # schedule.finished were published with the new weights, the others not;
+            # every later call and step refuses until state is loaded.
+            why = (f"an exact step failed part-way ({type(e).__name__}: {e}) after "
+                   f"{schedule.finished} of {len(schedule.units)} units were updated and "
+                   "published (a later unit may be updated but not published): the "
+                   "masters, the optimizer state and the weights mix two steps. Load a "
+                   "checkpoint (load_checkpoint, or pipe.load_state_dict and the "
+                   "optimizer's) to go on")
+            log.error("roundpipe: %s", why)
+            host.mixed = why
+            host.fences.fail(version, why)
+            raise _MixedStep(why) from e
         finally:
             host.landed.unit_schedule = None
             self._local.inside, self._local.version = False, None
@@ -201,6 +211,8 @@ class OptimizerWorker:
                 if not (pending.done() and pending.exception() is e):
                     raise  # the caller was interrupted while waiting; the step goes on
                 self._pending.pop(0)
+                if isinstance(e, _MixedStep):
+                    raise StepError(str(e)) from e.__cause__
                 unchanged = ("The model weights are unchanged since the last successful "
                              "step" + (" and the masters were reset to them"
                                        if self.host.has_masters else
@@ -234,6 +246,11 @@ class OptimizerWorker:
         return self._executor.submit(fn)
 
     def raise_if_failed(self) -> None:
+        if self.host.mixed is not None:
+            if not self.on_worker:  # the failed step is reported here, once and for all
+                self._pending = [p for p in self._pending
+                                 if not isinstance(p.exception(), _MixedStep)]
+            raise StepError(self.host.mixed)
         if any(p.done() for p in self._pending):
             done = [p for p in self._pending if p.done()]
             if any(p.exception() is not None for p in done):
@@ -244,6 +261,8 @@ class OptimizerWorker:
     def synchronize(self) -> None:
         """Wait for the pending steps and publish, so the model weights are current."""
         self.wait()
+        if self.host.mixed is not None:  # publishing would hand the mix to every call
+            raise StepError(self.host.mixed)
         if self.host.has_masters and not self.on_worker:
             self.run(self.publish_now)
 
