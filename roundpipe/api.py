@@ -21,9 +21,9 @@ from . import current
 from .compiler import PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .dtype_diagnosis import diagnose_dtypes, dtype_mismatch
-from .errors import (ConfigError, InputError, ModelError, ParameterHookError,
-                     RoundPipeError, StepError, TraceError, UnknownConfigFieldError,
-                     unknown_options_message)
+from .errors import (CheckpointError, ConfigError, InputError, ModelError,
+                     ParameterHookError, RoundPipeError, StepError, TraceError,
+                     UnknownConfigFieldError, unknown_options_message)
 from .merged_outputs import merge_plan, merged_outputs, output_columns, tail_values
 from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
@@ -1038,14 +1038,17 @@ class RoundPipe:
         Waits for a pending step but does not publish it, so taking a checkpoint does not
         change the run.  What an exact resume also needs travels in the state dict's
         ``_metadata["roundpipe"]`` (kept by ``torch.save`` and ignored by plain models):
-        the call counter and seed of the dropout streams, the step count
-        (``async_after``), while the asynchronous schedule has the weights differ from the
-        masters, those weights, and the masters kept for the weight prediction.
+        the call counter and seed of the dropout streams, the step count,
+        ``predict_weights`` and ``async_after`` (a load checks them), while the
+        asynchronous schedule has the weights differ from the masters, those weights, and
+        the masters kept for the weight prediction.
         """
         self._optimizer.wait()
         sd = self.model.state_dict()
         meta: dict[str, Any] = {"version": 1, "calls": self._calls, "seed": self.seed,
-                                "steps": self._steps}
+                                "steps": self._steps,
+                                "predict_weights": self.predict_weights,
+                                "async_after": self.async_after}
         if self._state.has_masters:
             masters = self._state.masters()
             canonical = {id(p): n for n, p in self.model.named_parameters()}
@@ -1070,7 +1073,11 @@ class RoundPipe:
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Load a state dict from :meth:`state_dict` (or a plain model's) bit-exactly,
-        the asynchronous schedule included (see :meth:`state_dict`)."""
+        the asynchronous schedule included (see :meth:`state_dict`).  A state dict saved
+        by a pipe whose ``predict_weights`` or ``async_after`` would run the remaining
+        steps differently from this pipe's is refused (:class:`CheckpointError`) before
+        anything is loaded."""
+        self._check_schedule(state_dict)
         self._optimizer.wait()
 
         def load() -> Any:
@@ -1097,6 +1104,31 @@ class RoundPipe:
         # On the optimizer thread: an interrupt cannot leave weights half loaded or
         # fences half open.
         return self._optimizer.run(load)
+
+    def _check_schedule(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a resume whose remaining steps would follow another schedule than the
+        saved run's: the weights the calls use would differ, silently."""
+        meta = (getattr(state_dict, "_metadata", None) or {}).get("roundpipe") or {}
+        if "predict_weights" not in meta or not self._state.has_masters:
+            return  # saved before the settings were recorded; no masters: no schedule
+        steps = int(meta.get("steps", 0))
+        saved = {"predict_weights": bool(meta["predict_weights"]),
+                 "async_after": int(meta["async_after"])}
+        differs = [name for name, value in saved.items() if value != getattr(self, name)]
+        if "async_after" in differs and steps >= max(saved["async_after"],
+                                                     self.async_after):
+            differs.remove("async_after")  # both past their exact warm-up: the same
+        if not differs:
+            return
+        settings = ", ".join(f"{n}={saved[n]!r} (this pipe: {getattr(self, n)!r})"
+                             for n in differs)
+        raise CheckpointError(
+            f"the state dict was saved after {steps} steps by a pipe with {settings}: "
+            "this pipe would take the remaining asynchronous steps at other weights than "
+            "the saved run. Nothing was loaded: construct the pipe with "
+            + ", ".join(f"{n}={saved[n]!r}" for n in differs)
+            + "; to change the schedule on purpose, set the attribute to the saved value, "
+            "load, then set it to the new one (e.g. pipe." + differs[0] + " = ...)")
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> Any:
         """Save the model's weights (every step taken) for inference or fine-tuning.

@@ -280,3 +280,109 @@ def test_a_skipped_step_predicts_no_move():
                     for n in names)
         assert exact != moved, k
     pipe.close()
+
+
+def _fp64_pipe(devices, **options):
+    return RoundPipe(_mlp(), devices=["cpu"] * devices, optim_dtype=torch.float64,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3), **options)
+
+
+def _train64(pipe, opt, steps, losses):
+    for k in steps:
+        x, y = _data(k)
+        losses.append(pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss))
+        pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("at", [1, 3])
+@pytest.mark.parametrize("devices", [(1, 1), (3, 3), (1, 3)])
+def test_save_checkpoint_resumes_the_predicted_schedule_bitwise(tmp_path, devices, at,
+                                                                sharded):
+    """A predicted asynchronous run with ``async_after=2`` saved inside its exact
+    warm-up (at=1) or after it (at=3), loaded into a fresh pipe (the same device count,
+    or another) and continued equals the run that never stopped, bit for bit: the
+    weights the calls use, the losses, the masters and the optimizer state."""
+    from roundpipe import load_checkpoint, save_checkpoint
+    straight = _fp64_pipe(devices[0], async_after=2)
+    opt = torch.optim.AdamW(straight.optim_parameters(), lr=0.02)
+    losses: list[torch.Tensor] = []
+    _train64(straight, opt, range(at), losses)
+    path = tmp_path / "ckpt"
+    if sharded:
+        path.mkdir()
+    save_checkpoint(path, straight, opt)
+    _train64(straight, opt, range(at, 6), losses)
+    straight.synchronize()
+
+    resumed = _fp64_pipe(devices[1], async_after=2)
+    opt_r = torch.optim.AdamW(resumed.optim_parameters(), lr=0.02)
+    load_checkpoint(path, resumed, opt_r)
+    tail: list[torch.Tensor] = []
+    _train64(resumed, opt_r, range(at, 6), tail)
+    resumed.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(losses[at:], tail, strict=True))
+    for a, b in zip(straight.optim_parameters(), resumed.optim_parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state.values(), opt_r.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    straight.close()
+    resumed.close()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("change, at", [({"predict_weights": False}, 3),
+                                        ({"predict_weights": False}, 1),
+                                        ({"async_after": 4}, 3),
+                                        ({"async_after": 0}, 1)])
+def test_a_resume_into_another_schedule_is_refused(tmp_path, change, at, sharded):
+    """A checkpoint records ``predict_weights`` and ``async_after``: loading it into a
+    pipe whose settings would make the rest of the run differ from the saved one's is
+    refused before anything is loaded, naming the setting and the way out."""
+    from roundpipe import CheckpointError, load_checkpoint, save_checkpoint
+    pipe = _fp64_pipe(1, async_after=2)
+    opt = torch.optim.AdamW(pipe.optim_parameters(), lr=0.02)
+    _train64(pipe, opt, range(at), [])
+    path = tmp_path / "ckpt"
+    if sharded:
+        path.mkdir()
+    save_checkpoint(path, pipe, opt)
+    pipe.close()
+    other = _fp64_pipe(1, **{"async_after": 2, **change})
+    opt_o = torch.optim.AdamW(other.optim_parameters(), lr=0.02)
+    before = [m.clone() for m in other.optim_parameters()]
+    name = next(iter(change))
+    with pytest.raises(CheckpointError, match=name) as info:
+        load_checkpoint(path, other, opt_o)
+    assert "Nothing was loaded" in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.optim_parameters()))
+    assert not opt_o.state
+    # The way out the message names: the saved setting for the load, then a change on
+    # purpose.
+    setattr(other, name, not change[name] if name == "predict_weights" else 2)
+    load_checkpoint(path, other, opt_o)
+    setattr(other, name, change[name])
+    _train64(other, opt_o, range(at, at + 2), [])
+    other.close()
+
+
+def test_async_after_already_passed_on_both_sides_is_not_a_different_schedule(tmp_path):
+    """After ``max(async_after)`` steps both settings run asynchronous steps only: the
+    load is accepted and continues as the saved run would have."""
+    from roundpipe import load_checkpoint, save_checkpoint
+    pipe = _fp64_pipe(1, async_after=2)
+    opt = torch.optim.AdamW(pipe.optim_parameters(), lr=0.02)
+    losses: list[torch.Tensor] = []
+    _train64(pipe, opt, range(3), losses)
+    save_checkpoint(tmp_path / "ckpt", pipe, opt)
+    _train64(pipe, opt, range(3, 5), losses)
+    other = _fp64_pipe(1, async_after=3)
+    opt_o = torch.optim.AdamW(other.optim_parameters(), lr=0.02)
+    load_checkpoint(tmp_path / "ckpt", other, opt_o)
+    tail: list[torch.Tensor] = []
+    _train64(other, opt_o, range(3, 5), tail)
+    assert all(torch.equal(a, b) for a, b in zip(losses[3:], tail, strict=True))
+    pipe.close()
+    other.close()
