@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters only")
     parser.add_argument("--async-step", action="store_true",
-                        help="asynchronous steps, one step stale (default: exact)")
+                        help="asynchronous steps with predicted weights (default: exact)")
     parser.add_argument("--save", default=None, help="directory to save the model to")
     parser.add_argument("--output-dir", default="trainer_output",
                         help="Trainer's output directory (checkpoints are off)")
