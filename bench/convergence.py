@@ -3,6 +3,7 @@ like plain PyTorch?
 
     python bench/convergence.py                      # 1,500 steps, seven runs
     python bench/convergence.py --steps 20 --eval-every 10   # a smoke run
+    python bench/convergence.py --finetune --batch 8 --seq 64 --threads 1  # fine-tuning
 
 At the defaults a step takes 8-12 s on two (shared) CPU cores, 6.4 s of CPU time: the seven
 runs of 1,500 steps take most of a day there; ``--runs`` runs some of them.
@@ -32,6 +33,14 @@ order, AdamW with warmup and cosine decay, gradients clipped to 1.0:
 * ``bf16``: the same model and pipe with torch's fused AdamW, which computes in float32
   and rounds weights and moments to nearest (what stochastic rounding is against).
 
+``--finetune`` runs the fine-tuning study instead: the same GPT pretrained eagerly for
+``--pretrain-steps`` on the standard library without its ``test/`` package (the weights
+are kept in ``--pretrained-dir`` for the next run), then fine-tuned from them for
+``--ft-steps`` at ``--ft-lr`` (default 1e-4) on ``test/``'s files, validating on held-out
+``test/`` files; ``--ft-runs`` picks the runs.  ``--reuse`` takes runs a JSON recorded with
+the same training arguments instead of running them again (eager's first steps are
+re-run and compared bitwise with the record first); ``--plot-only`` redraws the PNG.
+
 The validation loss of a pipe is measured on a copy of the model loaded with
 ``pipe.state_dict()`` (the masters, after every step taken), which waits for a pending
 step without publishing it, so measuring does not change the schedule the run follows.
@@ -48,6 +57,7 @@ import math
 import os
 import sys
 import sysconfig
+import tempfile
 import time
 
 import torch
@@ -70,8 +80,11 @@ RUNS = ("eager", "exact", "async", "async4", "stale", "predict", "warm", "sr", "
 BF16_RUNS = ("sr", "bf16")
 
 
-def corpus(holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(train bytes, validation bytes, train files, validation files)."""
+def corpus(holdout_every: int = 20, domain: str | None = None,
+           inside: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(train bytes, validation bytes, train files, validation files).  ``domain``: only
+    the files under that top-level directory of the standard library (``inside``), or
+    only the others; the hold-out by hash is the same either way."""
     root = sysconfig.get_paths()["stdlib"]
     train, val, counts = [], [], [0, 0]
     for directory, subdirs, files in os.walk(root):
@@ -80,15 +93,27 @@ def corpus(holdout_every: int = 20) -> tuple[torch.Tensor, torch.Tensor, int, in
             if not name.endswith(".py"):
                 continue
             path = os.path.join(directory, name)
+            rel = os.path.relpath(path, root)
+            if domain is not None and (rel.split(os.sep)[0] == domain) != inside:
+                continue
             with open(path, "rb") as f:
                 data = f.read()
-            rel = os.path.relpath(path, root).encode()
-            held = int(hashlib.sha1(rel).hexdigest(), 16) % holdout_every == 0
+            held = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % holdout_every == 0
             (val if held else train).append(data)
             counts[held] += 1
     def as_tensor(parts: list[bytes]) -> torch.Tensor:
         return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8).long()
     return as_tensor(train), as_tensor(val), counts[0], counts[1]
+
+
+def sample(data: torch.Tensor, count: int, args: argparse.Namespace,
+           g: torch.Generator) -> list:
+    return [windows(data, torch.randint(0, data.numel() - args.seq - 1, (args.batch,),
+                                        generator=g), args.seq) for _ in range(count)]
+
+
+def with_schedule(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def windows(data: torch.Tensor, starts: torch.Tensor, seq: int) -> tuple[torch.Tensor, ...]:
@@ -209,7 +234,12 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
             "snapshot": snapshot}
 
 
-def plot(results: dict[str, dict], path: str, args: argparse.Namespace) -> None:
+STYLES = {"eager": "-", "exact": "--", "async": "-", "async4": ":", "stale": "-.",
+          "predict": "-", "warm": "--", "sr": "-", "bf16": ":"}
+
+
+def plot(data: dict, path: str) -> None:
+    """The from-scratch curves and, when measured, the fine-tuning ones beside them."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -217,20 +247,139 @@ def plot(results: dict[str, dict], path: str, args: argparse.Namespace) -> None:
     except ImportError:
         print(f'matplotlib is missing (pip install -e ".[plot]"): no {path}')
         return
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    styles = {"eager": "-", "exact": "--", "async": "-", "async4": ":", "stale": "-.",
-              "predict": "-", "warm": "--", "sr": "-", "bf16": ":"}
-    for run, result in results.items():
-        steps, losses = zip(*result["curve"])
-        ax.plot(steps, losses, styles[run], label=f"{run} ({losses[-1]:.4f})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"GPT {args.params / 1e6:.1f} M on stdlib source bytes, held-out files")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    panels = [(data["args"], data["runs"], "from scratch, lr {lr:g}")] if data.get(
+        "runs") else []
+    if data.get("finetune"):
+        ft = data["finetune"]
+        panels.append((ft["args"], ft["runs"],
+                       "fine-tuning on test/ after {pretrain_steps} steps, lr {ft_lr:g}"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.4), squeeze=False)
+    for ax, (args, runs, title) in zip(axes[0], panels):
+        eager = dict(map(tuple, runs["eager"]["curve"])) if "eager" in runs else {}
+        for run, result in runs.items():
+            steps, losses = zip(*result["curve"])
+            if run == "async4":  # the bitwise check's few steps: async's curve
+                continue
+            gap = (f", {(losses[-1] / eager[steps[-1]] - 1) * 100:+.2f}%"
+                   if run != "eager" and steps[-1] in eager else "")
+            stopped = (f"stopped at {steps[-1]}: "
+                       if result.get("stopped_at") else "")
+            ax.plot(steps, losses, STYLES[run],
+                    label=f"{run} ({stopped}{losses[-1]:.4f}{gap})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.set_title(f"GPT {args['params'] / 1e6:.1f} M, {title.format(**args)}")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+# What a run's result depends on: a recorded run with these arguments equal is the same
+# run (eager and the pipes are deterministic at a fixed thread count).
+TRAINING_ARGS = ("steps", "batch", "seq", "d", "layers", "heads", "lr", "warmup",
+                 "num_microbatch", "eval_every", "val_sequences", "seed", "threads",
+                 "warm_steps")
+
+
+def reusable(paths: str, args: argparse.Namespace, wanted: list[str]) -> dict[str, dict]:
+    """The runs in ``wanted`` that the JSON files in ``paths`` recorded with the same
+    training arguments (later files win)."""
+    found: dict[str, dict] = {}
+    for path in [p for p in paths.split(",") if p]:
+        with open(path) as f:
+            data = json.load(f)
+        saved = data["args"]
+        differ = [k for k in TRAINING_ARGS if k in saved and saved[k] != getattr(args, k)
+                  and not (k == "warm_steps" and "warm" not in data["runs"])]
+        if differ:
+            print(f"{path}: not reused, other {', '.join(differ)}")
+            continue
+        for run, v in data["runs"].items():
+            if run in wanted and not v.get("stopped_at"):  # not one stopped early
+                found[run] = {"curve": [tuple(c) for c in v["curve"]], "train": v["train"],
+                              "seconds": v["seconds_per_step"] * len(v["train"]),
+                              "steps": len(v["train"]), "reused": path}
+    return found
+
+
+def finetune(args: argparse.Namespace, save=None) -> dict:
+    """Pretrain eagerly on the standard library without its ``test/`` package, then
+    fine-tune the same weights on ``test/``'s files (never seen in pretraining) at a
+    fine-tuning learning rate, validating on held-out ``test/`` files."""
+    pre_train, pre_val, n_pre, _ = corpus(domain="test", inside=False)
+    ft_train, ft_val, n_ft, n_ft_val = corpus(domain="test", inside=True)
+    print(f"pretraining: {n_pre} files without test/ ({pre_train.numel() / 1e6:.1f} MB); "
+          f"fine-tuning: {n_ft} files of test/ ({ft_train.numel() / 1e6:.1f} MB), "
+          f"validation on {n_ft_val} others")
+    g = torch.Generator().manual_seed(args.seed)
+    pre_args = with_schedule(args, steps=args.pretrain_steps)
+    pre_batches = sample(pre_train, args.pretrain_steps, args, g)
+    pre_val_windows = windows(pre_val, torch.randint(0, pre_val.numel() - args.seq - 1,
+                                                     (args.val_sequences,), generator=g),
+                              args.seq)
+    ft_args = with_schedule(args, steps=args.ft_steps, lr=args.ft_lr, warmup=args.ft_warmup,
+                            eval_every=args.ft_eval_every)
+    ft_batches = sample(ft_train, args.ft_steps, args, g)
+    ft_val_windows = windows(ft_val, torch.randint(0, ft_val.numel() - args.seq - 1,
+                                                   (args.val_sequences,), generator=g),
+                             args.seq)
+    torch.manual_seed(args.seed)
+    init = GPT(256, d=args.d, layers=args.layers, heads=args.heads,
+               max_len=args.seq).state_dict()
+    key = hashlib.sha1(repr([getattr(args, k) for k in TRAINING_ARGS if k != "steps"]
+                            + [args.pretrain_steps]).encode()).hexdigest()[:12]
+    saved = os.path.join(args.pretrained_dir, f"convergence-pretrained-{key}.pt")
+    if os.path.exists(saved):
+        pre = torch.load(saved, weights_only=True)
+        print(f"pretrained weights from {saved}")
+    else:
+        pre = train("eager", init, pre_batches, pre_val_windows, pre_args)
+        pre = {"weights": pre["weights"], "curve": pre["curve"], "seconds": pre["seconds"]}
+        if args.pretrained_dir:
+            os.makedirs(args.pretrained_dir, exist_ok=True)
+            torch.save(pre, saved)
+            print(f"saved the pretrained weights to {saved}")
+    start = {"curve": [(0, val_loss(_loaded(args, pre["weights"]), ft_val_windows))]}
+    print(f"pretrained: validation loss {pre['curve'][-1][1]:.4f} on held-out non-test "
+          f"files, {start['curve'][0][1]:.4f} on held-out test/ files")
+    results: dict[str, dict] = {}
+
+    def record() -> dict:
+        return {"args": {k: v for k, v in vars(ft_args).items()},
+                "pretrain_curve": pre["curve"],
+                "runs": {r: {"curve": v["curve"], "train": v["train"], "steps": v["steps"],
+                             "seconds_per_step": v["seconds"] / v["steps"]}
+                         for r, v in results.items()}}
+    for run in [r for r in args.ft_runs.split(",") if r]:
+        results[run] = train(run, pre["weights"], ft_batches, ft_val_windows, ft_args)
+        results[run]["curve"] = start["curve"] + results[run]["curve"]
+        print(f"fine-tune {run}: {results[run]['seconds'] / results[run]['steps']:.2f} "
+              "s/step")
+        if save is not None:  # after each run: a long study stopped keeps what ran
+            save(record())
+    table(results, args.ft_steps, "fine-tuning")
+    return record()
+
+
+def _loaded(args: argparse.Namespace, weights: dict) -> torch.nn.Module:
+    model = GPT(256, d=args.d, layers=args.layers, heads=args.heads, max_len=args.seq)
+    model.load_state_dict(weights)
+    return model
+
+
+def table(results: dict[str, dict], steps: int, what: str) -> None:
+    eager = results.get("eager")
+    print(f"\n{what}: {'run':8} {'final val loss':>15} {'vs eager':>9} {'s/step':>7}")
+    for run, result in results.items():
+        if result["steps"] != steps:
+            continue  # the shortened bitwise check: no final loss to compare
+        final = result["curve"][-1][1]
+        gap = f"{(final / eager['curve'][-1][1] - 1) * 100:+.2f}%" if eager else ""
+        note = "  (recorded)" if result.get("reused") else ""
+        print(f"{run:8} {final:15.4f} {gap:>9} "
+              f"{result['seconds'] / result['steps']:7.2f}{note}")
 
 
 def main() -> None:
@@ -255,6 +404,26 @@ def main() -> None:
     parser.add_argument("--async4-steps", type=int, default=None,
                         help="run async4 this many steps only and compare it bitwise with "
                              "async's weights after as many (default: all steps)")
+    parser.add_argument("--reuse", default="",
+                        help="comma-separated JSON files this bench wrote: runs recorded "
+                             "there with the same training arguments are taken as "
+                             "measured, not run again (eager's first --reuse-check steps "
+                             "are re-run and must equal the record bitwise)")
+    parser.add_argument("--reuse-check", type=int, default=20)
+    parser.add_argument("--finetune", action="store_true",
+                        help="the fine-tuning study instead: pretrain eagerly on the "
+                             "standard library without test/, fine-tune on test/")
+    parser.add_argument("--pretrain-steps", type=int, default=500)
+    parser.add_argument("--ft-steps", type=int, default=300)
+    parser.add_argument("--ft-lr", type=float, default=1e-4)
+    parser.add_argument("--ft-warmup", type=int, default=30)
+    parser.add_argument("--ft-eval-every", type=int, default=25)
+    parser.add_argument("--ft-runs", default="eager,exact,predict")
+    parser.add_argument("--pretrained-dir", default=tempfile.gettempdir(),
+                        help="where the pretrained weights are kept for the next run "
+                             "(empty: not kept)")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="draw --png from the curves in --json, run nothing")
     parser.add_argument("--png", default=os.path.join(ROOT, "docs", "convergence.png"))
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
                                                        "convergence.json"))
@@ -262,21 +431,37 @@ def main() -> None:
     args = apply_smoke(parser.parse_args(), steps=3, batch=4, seq=32, d=32, layers=1,
                        heads=2, warmup=1, eval_every=2, val_sequences=4,
                        runs="eager,exact,async,predict,warm", warm_steps=1, png="",
-                       json="")
+                       json="", pretrain_steps=2, ft_steps=3, ft_warmup=1, ft_eval_every=2,
+                       ft_runs="eager,exact,predict", pretrained_dir="", reuse_check=2)
     runs = [r for r in args.runs.split(",") if r]
-    unknown = set(runs) - set(RUNS)
+    unknown = (set(runs) | set(args.ft_runs.split(",")) - {""}) - set(RUNS)
     if unknown:
         parser.error(f"unknown run(s) {sorted(unknown)}; choose from {RUNS}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    recorded: dict = {}
+    if args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            recorded = json.load(f)
+
+    if args.plot_only:
+        plot(recorded, args.png)
+        return
+    if args.finetune:
+        torch.manual_seed(args.seed)
+        args.params = sum(v.numel() for k, v in GPT(
+            256, d=args.d, layers=args.layers, heads=args.heads,
+            max_len=args.seq).state_dict().items() if k != "head.weight")  # tied
+        def save(part: dict) -> None:
+            write({**recorded, "finetune": part}, args, png=False)
+        write({**recorded, "finetune": finetune(args, save)}, args)
+        return
 
     train_data, val_data, n_train, n_val = corpus()
     print(f"stdlib: {n_train} training files ({train_data.numel() / 1e6:.1f} MB), "
           f"{n_val} held-out files ({val_data.numel() / 1e6:.1f} MB)")
     g = torch.Generator().manual_seed(args.seed)
-    batches = [windows(train_data, torch.randint(0, train_data.numel() - args.seq - 1,
-                                                  (args.batch,), generator=g), args.seq)
-               for _ in range(args.steps)]
+    batches = sample(train_data, args.steps, args, g)
     val = windows(val_data, torch.randint(0, val_data.numel() - args.seq - 1,
                                           (args.val_sequences,), generator=g), args.seq)
     torch.manual_seed(args.seed)
@@ -286,40 +471,51 @@ def main() -> None:
     print(f"GPT: {args.params / 1e6:.2f} M parameters, {args.steps} steps of "
           f"{args.batch} x {args.seq} bytes, {args.num_microbatch} microbatches")
 
+    results: dict[str, dict] = reusable(args.reuse, args, runs) if args.reuse else {}
+    if "eager" in results:  # deterministic: the record must be what a run gives now
+        n = min(args.reuse_check, args.steps)
+        check = train("eager", init, batches, val, args, steps=n)
+        same = check["train"] == results["eager"]["train"][:n]
+        print(f"recorded eager run re-run over {n} steps: training losses "
+              f"{'bitwise equal' if same else 'DIFFERENT'}")
+        if not same:
+            sys.exit("the recorded eager run is not what eager gives here (another "
+                     "torch, CPU or thread count?): run it again, without --reuse")
     short = args.async4_steps if args.async4_steps else args.steps
-    results: dict[str, dict] = {}
     for run in runs:
+        if run in results:
+            continue
         results[run] = train(run, init, batches, val, args,
                              steps=short if run == "async4" else None,
                              snapshot_at=short if run == "async" else None)
         print(f"{run}: {results[run]['seconds'] / results[run]['steps']:.2f} s/step")
-
-    eager = results.get("eager")
-    print(f"\n{'run':8} {'final val loss':>15} {'vs eager':>9} {'s/step':>7}")
-    for run, result in results.items():
-        if result["steps"] != args.steps:
-            continue  # the shortened bitwise check: no final loss to compare
-        final = result["curve"][-1][1]
-        gap = f"{(final / eager['curve'][-1][1] - 1) * 100:+.2f}%" if eager else ""
-        print(f"{run:8} {final:15.4f} {gap:>9} {result['seconds'] / result['steps']:7.2f}")
-    if "async" in results and "async4" in results:
+    results = {r: results[r] for r in runs if r in results}
+    table(results, args.steps, "from scratch")
+    if "async" in results and "async4" in results and not (
+            results["async"].get("reused") or results["async4"].get("reused")):
         a, b = results["async"], results["async4"]
         n = b["steps"]
         same = a["train"][:n] == b["train"] and all(
             torch.equal(a["snapshot"][k], b["weights"][k]) for k in a["snapshot"])
         print(f"async on 4 devices bitwise equal to async on 1 over {n} steps (losses and "
               f"weights): {'yes' if same else 'NO'}")
+    out = {**recorded,
+           "args": {k: v for k, v in vars(args).items()},
+           "runs": {r: {"curve": v["curve"], "train": v["train"],
+                        "seconds_per_step": v["seconds"] / v["steps"]}
+                    for r, v in results.items()}}
+    write(out, args)
 
+
+def write(out: dict, args: argparse.Namespace, png: bool = True) -> None:
+    """The JSON keeps what it held of the other study; the PNG shows both."""
     if args.json:
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()},
-                       "runs": {r: {"curve": v["curve"], "train": v["train"],
-                                    "seconds_per_step": v["seconds"] / v["steps"]}
-                                for r, v in results.items()}}, f, indent=1)
+            json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
-    if args.png:
-        plot(results, args.png, args)
+    if args.png and png:
+        plot(out, args.png)
 
 
 if __name__ == "__main__":
