@@ -74,13 +74,7 @@ class OptimizerWorker:
         next step (see ``ModelState.publish``)."""
         if not callable(fn):
             raise StepError(f"step_fn must be callable, got {type(fn).__name__}")
-        if self.on_worker:
-            raise StepError("pipe.step() was called from inside a step_fn; call it from "
-                            "the training loop")
-        self.raise_if_failed()
-        version = self.host.fences.schedule()
-        if on_enqueue is not None:
-            on_enqueue(version)
+        version = self._schedule(on_enqueue)
         checked = _Verdict()
         publish = {"predict": predict and is_async, "record": record}
         self._pending.append(self._executor.submit(self._run, fn, version, checked,
@@ -125,6 +119,18 @@ class OptimizerWorker:
             checked.event.set()
         host.mark_dirty()
 
+    def _schedule(self, on_enqueue: Callable[[int], None] | None) -> int:
+        """The fence version of a step about to be enqueued (after the checks every
+        step makes); ``on_enqueue(version)`` runs before it can start."""
+        if self.on_worker:
+            raise StepError("pipe.step() was called from inside a step_fn; call it from "
+                            "the training loop")
+        self.raise_if_failed()
+        version = self.host.fences.schedule()
+        if on_enqueue is not None:
+            on_enqueue(version)
+        return version
+
     def step_by_unit(self, optimizer: Any, groups: list[dict[str, Any]],
                      on_enqueue: Callable[[int], None] | None = None) -> None:
         """An exact step the next call overlaps: ``optimizer.step_frozen(groups)`` (then
@@ -134,13 +140,7 @@ class OptimizerWorker:
         found, state allocated: what can fail has run), so a failing step raises here
         and changes nothing.  The caller made sure no older step is pending or
         unpublished."""
-        if self.on_worker:
-            raise StepError("pipe.step() was called from inside a step_fn; call it from "
-                            "the training loop")
-        self.raise_if_failed()
-        version = self.host.fences.schedule()
-        if on_enqueue is not None:
-            on_enqueue(version)
+        version = self._schedule(on_enqueue)
         prepared, ready = threading.Event(), []
 
         def on_prepared() -> None:
