@@ -75,6 +75,9 @@ class CallState:
     # the fence was closed; and the intervals a job stood waiting for such an upload
     fence_waits: dict[int, tuple[float, float]] = field(default_factory=dict)
     weight_stalls: list[tuple[float, float]] = field(default_factory=list)
+    # (job index, microbatch) -> when its outputs were handed on: the next job's
+    # first microbatch could not start before (a weight wait then stalls nothing)
+    done_at: dict[tuple[int, int], float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     keep: frozenset[str] = frozenset()  # more values returned per microbatch (RunResult.values)
     hooks: HookPlan = NO_HOOKS  # where the parameters' autograd hooks run

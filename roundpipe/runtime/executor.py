@@ -333,7 +333,10 @@ class Executor:
             device.reset_counters()
         for job in jobs:
             for mb in range(call.num_mb):
-                call.done[(job.index, mb)] = Future()
+                fut = call.done[(job.index, mb)] = Future()
+                if mb == 0:
+                    fut.add_done_callback(functools.partial(
+                        _stamp, call.done_at, (job.index, mb)))
         call.t0 = time.perf_counter()
         call.jobs = jobs
         # Each device's first job starts loading its weights at once.
@@ -647,3 +650,7 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+def _stamp(times: dict[tuple[int, int], float], key: tuple[int, int], _: Future) -> None:
+    times[key] = time.perf_counter()

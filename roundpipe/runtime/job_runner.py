@@ -65,10 +65,16 @@ class JobRunner:
         waited = time.perf_counter()
         self.state = dict(self.weights.result())
         fence = call.fence_waits.get(self.job.index)
-        if fence is not None:  # the part of this wait the optimizer's publish caused
-            start, end = max(waited, fence[0]), min(time.perf_counter(), fence[1])
-            if end > start:
-                call.weight_stalls.append((start, end))
+        if fence is not None:
+            # The part of this wait the optimizer's publish caused, once the job's first
+            # inputs were there (before, it waited for them anyway: no stall).
+            index = self.job.index
+            inputs = waited if index == 0 else call.done_at.get((index - 1, 0))
+            if inputs is not None:
+                start = max(waited, fence[0], inputs)
+                end = min(time.perf_counter(), fence[1])
+                if end > start:
+                    call.weight_stalls.append((start, end))
         # In-place writes bump a tensor's version: finish() commits any buffer the
         # programs wrote that the trace did not show (an opaque module's own code).
         self.versions = {slot: t._version for slot, t in self.state.items()
