@@ -342,8 +342,9 @@ class _PipelinedGraph:
         opts = backend.options
         devices = backend.devices
         traced = dg.traced
-        split = analyze_batching(dg)
         wanted = opts.num_microbatch if opts.num_microbatch is not None else len(devices) + 1
+        # the proof lowers the graph (make_fx): only worth it where a split is asked for
+        split = analyze_batching(dg) if wanted > 1 else "num_microbatch=1"
         if isinstance(split, BatchSplit) and wanted > 1:
             self.split: BatchSplit | None = split
             self.num_microbatch = min(wanted, split.batch)
