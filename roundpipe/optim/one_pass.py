@@ -299,7 +299,7 @@ class OnePass:
             if schedule is None:
                 for g, pairs in zip(groups, work):
                     if pairs:
-                        self._update_group(g, pairs)
+                        self._update_and_mark(g, pairs)
                 return
             # Unit by unit, in the order the next call uploads them; what is no master
             # of the schedule's pipe first.  Each element is updated by the same
@@ -315,12 +315,12 @@ class OnePass:
                     split[k][gi].append((p, grad))
             for g, pairs in zip(groups, split[n]):
                 if pairs:
-                    self._update_group(g, pairs)
+                    self._update_and_mark(g, pairs)
             for k in range(n):
                 schedule.before_unit(k)
                 for g, pairs in zip(groups, split[k]):
                     if pairs:
-                        self._update_group(g, pairs)
+                        self._update_and_mark(g, pairs)
                 schedule.after_unit(k)
         finally:
             self._scales, self._fresh = {}, frozenset()
@@ -434,6 +434,15 @@ class OnePass:
                                  f"{tuple(grad.shape)} (sparse={grad.is_sparse}) for a "
                                  f"parameter of shape {tuple(p.shape)}")
         return grad
+
+    def _update_and_mark(self, group: dict[str, Any],
+                         pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """:meth:`_update_group`, then each parameter's version counter bumped as an
+        in-place write bumps it (the native loop writes through pointers): a failed
+        pipe step restores exactly the masters some update wrote."""
+        self._update_group(group, pairs)
+        for p, _ in pairs:
+            torch.autograd.graph.increment_version(p)
 
     def _update_group(self, group: dict[str, Any],
                       pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

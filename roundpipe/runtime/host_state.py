@@ -416,11 +416,18 @@ class ModelState:
                 if not state:
                     del opt.state[p]  # type: ignore[attr-defined]
 
-    def restore_masters(self) -> None:
+    def master_versions(self) -> dict[str, int]:
+        """Each master's version counter (in-place writes bump it), for
+        :meth:`restore_masters`."""
+        return {name: master._version for name, master in self._masters.items()}
+
+    def restore_masters(self, versions: Mapping[str, int] | None = None) -> None:
         """After a failed step: make the masters what they were when it started (the
         masters kept at its start where it kept them, else the published weights).  The
         weights are left alone (the next call may be reading them); where they hold a
-        prediction, the next publish writes the masters."""
+        prediction, the next publish writes the masters.  ``versions``: the masters'
+        version counters when the step started; a master the step did not write keeps
+        its value (the published weight is only its rounding to the model's dtype)."""
         if self.offload is not None:
             self.offload_rollback()
             self._dirty = False
@@ -428,6 +435,9 @@ class ModelState:
         with self._lock, torch.no_grad():
             for name, master in self._masters.items():
                 kept = self._previous.get(name) if self._history else None
+                if kept is None and versions is not None and \
+                        versions.get(name) == master._version:
+                    continue  # not written by the failed step: exact as it is
                 master.copy_(self._params[name] if kept is None else kept)
             self._dirty = False
 

@@ -97,6 +97,7 @@ class OptimizerWorker:
             host.fold_outside_grads(host.outside_grads())
             host.publish(version, at_step=True, **(publish or {}))
         self._local.inside, self._local.version = True, version
+        versions = host.master_versions() if host.has_masters else None
         try:
             if host.offload is not None:
                 host.offload_begin()
@@ -110,7 +111,7 @@ class OptimizerWorker:
             if host.has_masters:
                 # Make the masters what they were when the step started, so no
                 # half-applied update survives.
-                host.restore_masters()
+                host.restore_masters(versions)
             raise
         finally:
             self._local.inside, self._local.version = False, None
