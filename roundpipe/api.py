@@ -1005,6 +1005,34 @@ class RoundPipe:
         skey = offload.state_key(name, key)
         return store.read(skey) if store.tensor(skey) is value else None
 
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """A load of several parts, committed as one (``load_checkpoint`` uses it)::
+
+            with pipe.loading():
+                pipe.load_state_dict(model_state)
+                optimizer.load_state_dict(optimizer_state)
+
+        With the disk tier (``offload_dir``) the masters and optimizer state written
+        inside go to the slots the manifest does not name, and the manifest is replaced
+        once, at the end: a crash anywhere inside leaves the files at the state from
+        before, never the loaded masters beside the old moments.  An error inside rolls
+        the files back; if the load had written into them, every call and step then
+        refuses until state is loaded again.  Without the tier it only waits for the
+        steps in flight."""
+        self._optimizer.wait()
+        state = self._state
+        if state.offload is None:
+            yield
+            return
+        self._optimizer.run(state.hold_commits)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._optimizer.run(lambda: state.release_commits(ok))
+
     def optim_parameters(self) -> list[torch.Tensor]:
         """The tensors an optimizer should update: fp32 (``optim_dtype``) masters of the
         trainable parameters, or the model's own parameters when ``optim_dtype`` is None."""

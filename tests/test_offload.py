@@ -453,3 +453,116 @@ def test_the_option_reaches_the_pipe_through_compile_and_the_trainers_options(tm
         pipe.close()
     pipe_kwargs, run_kwargs = split_pipe_options({"offload_dir": "/x", "num_microbatch": 2})
     assert pipe_kwargs == {"offload_dir": "/x"} and run_kwargs == {"num_microbatch": 2}
+
+
+# --- loading a checkpoint into a pipe with the tier: one commit -------------------------
+
+_KILLED_IN_LOAD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import test_offload as t
+    from roundpipe import load_checkpoint
+    model, args, kwargs = t._model()
+    pipe, opt = t._train(model, args, kwargs, 1, "AdamW", None, offload_dir={path!r},
+                         steps=1)
+    store = pipe._state.offload
+
+    def fault(what, arg):
+        # the load wrote every master; its first moment is about to be written
+        if what == "write" and str(arg).startswith("state/"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    store.fault = fault
+    load_checkpoint({ckpt!r}, pipe, opt)
+    print("not killed")
+""")
+
+
+def _tier_matches(files, pipe, opt):
+    """Which of masters and optimizer state in ``files`` equal ``pipe``/``opt``'s
+    (bitwise): a set of True/False, one per tensor."""
+    verdicts = []
+    for name, master in pipe.optim_named_parameters():
+        verdicts.append(torch.equal(files[f"master/{name}"], pipe._state.read_master(name)))
+        for key, value in opt.state_dict()["state"][
+                [n for n, _ in pipe.optim_named_parameters()].index(name)].items():
+            verdicts.append(torch.equal(files[f"state/{name}/{key}"], value))
+    return verdicts
+
+
+def _checkpoint(tmp_path, sharded, steps=2):
+    """A checkpoint of ``steps`` steps in memory (other values than one step's)."""
+    model, args, kwargs = _model()
+    pipe, opt = _train(model, args, kwargs, 1, "AdamW", None, steps=steps)
+    path = tmp_path / ("ckpt" if sharded else "ckpt.pt")
+    if sharded:
+        path.mkdir()
+    save_checkpoint(path, pipe, opt, sharded=sharded)
+    pipe.close()
+    return path
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_kill_while_loading_a_checkpoint_leaves_the_state_before_it(tmp_path, sharded):
+    """A process killed (SIGKILL) while load_checkpoint writes into the tier, after the
+    masters and before the moments, leaves the files at the step before the load, every
+    tensor of it: not the checkpoint's masters beside the old moments."""
+    ckpt = _checkpoint(tmp_path, sharded)
+    path = str(tmp_path / "t")
+    script = _KILLED_IN_LOAD.format(tests=os.path.dirname(__file__), path=path,
+                                    ckpt=str(ckpt))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    step, files = read_committed(path)
+    assert step == 1
+    model, args, kwargs = _model()
+    one, one_opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None, steps=1)
+    two, two_opt = _train(model, args, kwargs, 1, "AdamW", None, steps=2)
+    try:
+        old, new = _tier_matches(files, one, one_opt), _tier_matches(files, two, two_opt)
+        assert len(old) == 4 * len(one.optim_parameters())
+        assert all(old) and not any(new), (old, new)
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_load_failing_half_way_leaves_the_files_and_refuses_until_loaded(tmp_path):
+    """An I/O error after the masters were written: load_checkpoint raises, the files
+    still hold the step before it, calls and steps refuse (the weights in memory are the
+    checkpoint's); a load that succeeds commits every tensor at once, and one more step
+    equals three steps in memory."""
+    ckpt = _checkpoint(tmp_path, sharded=False)
+    model, args, kwargs = _model()
+    ref, ref_opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None, steps=3)
+    pipe, opt = _train(model, args, kwargs, 1, "AdamW", None, offload_dir=tmp_path / "t",
+                       steps=1)
+    store = pipe._state.offload
+    commits = []
+
+    def fault(what, arg):
+        if what == "commit":
+            commits.append(arg)
+        if what == "write" and str(arg).startswith("state/") and not commits:
+            raise OSError(5, "injected: Input/output error")
+    try:
+        before = read_committed(tmp_path / "t")
+        store.fault = fault
+        with pytest.raises(OSError, match="injected"):
+            load_checkpoint(ckpt, pipe, opt)
+        after = read_committed(tmp_path / "t")
+        assert after[0] == before[0] == 1 and not commits
+        assert all(torch.equal(after[1][k], v) for k, v in before[1].items())
+        with pytest.raises(StepError, match="load_checkpoint"):
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                  loss_fn=_loss)
+        store.fault = None
+        load_checkpoint(ckpt, pipe, opt)
+        assert read_committed(tmp_path / "t")[0] == 2  # one commit for the whole load
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        _assert_equal(_snapshot(pipe, opt), _snapshot(ref, ref_opt))
+    finally:
+        pipe.close()
+        ref.close()

@@ -130,9 +130,10 @@ def load_checkpoint(path: str | os.PathLike[str], pipe: RoundPipe,
     check_model_state(state.get("model"), pipe, os.fspath(path))
     if optimizer is not None and state.get("optimizer") is not None:
         _check_groups(state["optimizer"], optimizer, os.fspath(path))
-    pipe.load_state_dict(state["model"])
-    if optimizer is not None and state.get("optimizer") is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    with pipe.loading():  # the disk tier commits masters and moments as one
+        pipe.load_state_dict(state["model"])
+        if optimizer is not None and state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
     return state.get("extra")

@@ -463,9 +463,10 @@ def load_sharded(path: str, pipe: RoundPipe, optimizer: torch.optim.Optimizer | 
     check_model_state(model, pipe, path)
     opt_state = (optimizer_state(path, meta, pipe, optimizer)
                  if optimizer is not None and meta.get("optimizer") is not None else None)
-    pipe.load_state_dict(model)
-    if opt_state is not None:
-        optimizer.load_state_dict(opt_state)  # type: ignore[union-attr]
+    with pipe.loading():  # the disk tier commits masters and moments as one
+        pipe.load_state_dict(model)
+        if opt_state is not None:
+            optimizer.load_state_dict(opt_state)  # type: ignore[union-attr]
     if scaler is not None and meta.get("scaler") is not None:
         scaler.load_state_dict(meta["scaler"])
     return meta.get("extra")

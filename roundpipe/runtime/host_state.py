@@ -17,6 +17,7 @@ are keyed by parameter name); :class:`HostState` maps one program's state slots 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Iterable, Mapping, Protocol, Sequence
@@ -27,6 +28,8 @@ from ..errors import StepError
 from ..plan import ModelProgram, StateSpec
 from .masters import LandedGrads, Master, UnitSchedule, owner_of, raw_grad, set_raw_grad
 from .offload import OffloadError, OffloadStore, OffloadWindow, master_key, state_key, wait
+
+log = logging.getLogger(__name__)
 
 _WAIT_SLICE_S = 0.05
 
@@ -155,6 +158,7 @@ class ModelState:
             self.landed.offload = self.offload
             self.landed.absorb = self._absorb_loaded
         self._window: OffloadWindow | None = None  # the disk tier's step in progress
+        self._held_written = 0  # bytes the files had taken when a held load began
 
     @property
     def has_masters(self) -> bool:
@@ -394,6 +398,46 @@ class ModelState:
         assert self.offload is not None
         self.absorb_optimizer_state([optimizer])
         self.offload.commit()
+
+    def hold_commits(self) -> None:
+        """A load of several parts starts (the model's state, then the optimizer's):
+        with the disk tier, its writes go to the slots the manifest does not name and
+        are committed once, at :meth:`release_commits`, so a crash between the parts
+        leaves the files at the state before the load, never a mix."""
+        if self.offload is not None:
+            self._held_written = self.offload.bytes_written
+            self.offload.hold()
+
+    def release_commits(self, ok: bool) -> None:
+        """End :meth:`hold_commits`: ``ok``, the load is committed in one manifest
+        switch; else (or if that commit fails) the files keep the state from before it
+        and, once the load wrote into them, every call and step refuses until state
+        is loaded again (the weights in memory may be the loaded ones)."""
+        store = self.offload
+        if store is None:
+            return
+        if not ok:
+            self._fail_load(None)
+            return
+        try:
+            store.release()
+        except BaseException as e:
+            self._fail_load(e)
+            raise
+
+    def _fail_load(self, error: BaseException | None) -> None:
+        store = self.offload
+        assert store is not None
+        store.release_without_commit()
+        self.offload_rollback()
+        if store.bytes_written != self._held_written:
+            why = ("loading state into a pipe with the disk tier (offload_dir) failed "
+                   "part-way" + (f" ({type(error).__name__}: {error})" if error else "")
+                   + ": its files keep the state from before the load, but the weights "
+                   "in memory may be the loaded ones. Load the checkpoint again "
+                   "(load_checkpoint) before the next call or step")
+            log.error("roundpipe: %s", why)
+            self.mixed = why
 
     def offload_rollback(self) -> None:
         """A step failed: drop what it staged and wrote, point every tensor back at the

@@ -219,6 +219,10 @@ class OffloadStore:
         # ("write", key) before its write-back and ("commit", step) before the manifest
         # is replaced.
         self.fault: Callable[[str, object], None] | None = None
+        # While held (a load of masters and optimizer state), commit() only notes that a
+        # commit is due: the whole load becomes one manifest switch at release.
+        self._held = False
+        self._commit_due = False
         self.closed = False
 
     # --- registration -----------------------------------------------------------------
@@ -440,9 +444,39 @@ class OffloadStore:
             self._begun = None
         return dropped
 
+    def hold(self) -> None:
+        """Start a load that is committed as one: mark what a failure rolls back to, and
+        defer every :meth:`commit` until :meth:`release`."""
+        self.begin()
+        with self._lock:
+            self._held, self._commit_due = True, False
+
+    def release(self) -> bool:
+        """End :meth:`hold`, committing once if a commit was asked for meanwhile (a
+        failed commit leaves the marks of :meth:`begin` for a :meth:`rollback`).
+        Returns whether one was due."""
+        with self._lock:
+            self._held, due = False, self._commit_due
+            self._commit_due = False
+        if due:
+            self.commit()
+        else:
+            self._begun = None
+        return due
+
+    def release_without_commit(self) -> None:
+        """End :meth:`hold` without committing (the caller rolls back)."""
+        with self._lock:
+            self._held = self._commit_due = False
+
     def commit(self) -> None:
         """Make everything written so far the committed state: wait, flush the data to
-        disk, then replace the manifest atomically (the step counter advances)."""
+        disk, then replace the manifest atomically (the step counter advances).  While
+        held (:meth:`hold`) it only notes that a commit is due."""
+        with self._lock:
+            if self._held:
+                self._commit_due = True
+                return
         if self.fault is not None:
             self.fault("commit", self.step + 1)
         os.fdatasync(self._fd)
