@@ -46,8 +46,9 @@ if not _cli_help_only():  # (the package's contents; the command line imports th
                          OutOfMemoryError, PartitionError, RoundPipeError, StageError,
                          StepError, TraceError, UnknownConfigFieldError)
     from .errors import (DataParallelError, DoubleBackwardError, HostOutOfMemoryError,
-                         NonFiniteGradientError, OffloadError, OptimizerError,
-                         ParameterHookError, ReplicaError)
+                         NonFiniteGradientError, OffloadError,
+                         OffloadMismatchError, OptimizerError, ParameterHookError,
+                         ReplicaError)
     from .runtime.data_parallel import DataParallelConfig
     from .plan import StagePlan
     from .runtime.host_memory import HostMemory
@@ -97,6 +98,7 @@ __all__ = [
     "OutOfMemoryError",
     "HostOutOfMemoryError",
     "OffloadError",
+    "OffloadMismatchError",
     "DataParallelConfig",
     "DataParallelError",
     "ReplicaError",

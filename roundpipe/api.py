@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -22,8 +23,8 @@ from .compiler import PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .dtype_diagnosis import diagnose_dtypes, dtype_mismatch
 from .errors import (CheckpointError, ConfigError, InputError, ModelError,
-                     ParameterHookError, RoundPipeError, StepError, TraceError,
-                     UnknownConfigFieldError, unknown_options_message)
+                     OffloadMismatchError, ParameterHookError, RoundPipeError, StepError,
+                     TraceError, UnknownConfigFieldError, unknown_options_message)
 from .merged_outputs import merge_plan, merged_outputs, output_columns, tail_values
 from .passes.cost import DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
@@ -134,11 +135,23 @@ class RoundPipe:
             asynchronous one already predicts.  Default 0.
         offload_dir: the disk tier: the masters (``optim_dtype``) and the state of a bound
             ``roundpipe.optim`` optimizer live in files under this directory (created;
-            it must not hold another run's state), and host memory keeps the model's
-            weights plus the few layer units a step is updating.  Each step reads and
+            a run's state there is refused unless ``offload_resume``), and host memory
+            keeps the model's weights plus the few layer units a step is updating.
+            Each step reads and
             writes them unit by unit and commits the files atomically, so a crash
             leaves the last whole step readable (``docs/guide.md``, "The disk tier").
             Needs ``optim_dtype``; asynchronous steps run without weight prediction.
+        offload_resume: what to do with an ``offload_dir`` that holds a run's committed
+            state.  ``False`` (default): refuse it (:class:`OffloadError`), never
+            overwrite it.  ``True``: continue that run (it must hold one): the masters,
+            the optimizer state and the dropout streams' counters come from the files,
+            the model's trainable weights are published from the masters, and the
+            directory must belong to this model (names, shapes, dtypes, which are
+            trainable, the values of frozen parameters and buffers) and to the
+            ``roundpipe.optim`` optimizer(s) then made over ``pipe.optim_parameters()``
+            (class, state dtype, hyperparameters but the learning rate), else
+            :class:`OffloadMismatchError`.  ``"auto"``: resume when the directory holds
+            state, start afresh when it holds none.
 
     A model with a ``config.use_cache`` flag (Hugging Face models) gets ``use_cache =
     False``: key/value caches serve generation and only cost memory in training.
@@ -171,6 +184,7 @@ class RoundPipe:
         predict_weights: bool = True,
         async_after: int = 0,
         offload_dir: str | os.PathLike[str] | None = None,
+        offload_resume: bool | str = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -241,7 +255,13 @@ class RoundPipe:
                     "which every call uploads from host memory: pass "
                     "optim_dtype=torch.float32 (fp32 masters of a bf16 model)")
             offload_dir = os.fspath(offload_dir)
-        self._state = ModelState(model, optim_dtype, offload_dir)
+        if offload_resume not in (False, True, "auto"):
+            raise ConfigError(f"offload_resume must be False, True or 'auto', got "
+                              f"{offload_resume!r}")
+        if offload_resume and offload_dir is None:
+            raise ConfigError("offload_resume resumes the disk tier's directory: pass "
+                              "offload_dir too")
+        self._state = ModelState(model, optim_dtype, offload_dir, offload_resume)
         if self._state.has_masters:
             optimizer_check.watch_outside_steps(self._state)
         self._optimizer = OptimizerWorker(self._state)
@@ -253,6 +273,7 @@ class RoundPipe:
         self._state.landed.on_step_thread = lambda: self._optimizer.on_worker
         self._current: CompiledProgram | None = None
         self._calls = 0
+        self._loading = 0  # depth of pipe.loading() blocks
         self._stats: RunStats | None = None
         self._lock = threading.RLock()
         self._closed = False
@@ -265,6 +286,12 @@ class RoundPipe:
         # the end of their backward pass (hooked parameters with masters: _defer_commit)
         self._deferred: list[tuple[int, Any, RunResult, Any]] = []
         self._pass_task: int | None = None  # the backward pass _end_of_pass is queued for
+        if self._state.offload is not None:
+            try:
+                self._resume_counters(seed)
+            except BaseException:
+                self.close()
+                raise
 
     # --- compilation ---------------------------------------------------------------------
     def compile(self, example_args: tuple[Any, ...] = (),
@@ -873,7 +900,12 @@ class RoundPipe:
         are exact whatever ``is_async`` says.  Without ``optim_dtype`` (no separate
         masters) the next call waits for the step either way.
         """
+        # what the disk tier's manifest records with this step (dropout streams, steps)
+        counters = self._counters(steps=self._steps + 1)
+
         def on_enqueue(version: int) -> None:
+            if self._state.offload is not None:
+                self._state.step_counters[version] = counters
             for hook in self._step_hooks:
                 hook(version)
 
@@ -891,6 +923,14 @@ class RoundPipe:
                 return step_fn()
 
         current.called(self)
+        unresumed = self._state.unresumed()
+        if unresumed:
+            raise OffloadMismatchError(
+                f"offload_dir {self._state.offload.directory!r} holds optimizer state "
+                f"that no optimizer of this pipe took ({len(unresumed)} tensors, e.g. "
+                f"{unresumed[0]!r}); a step now would drop it. Nothing was run: create "
+                "the run's roundpipe.optim optimizer(s) over pipe.optim_parameters() "
+                "before stepping")
         if (is_async and self.predict_weights and self._state.offload is not None
                 and self._steps + 1 >= self.async_after):
             raise ConfigError(
@@ -1005,6 +1045,36 @@ class RoundPipe:
         skey = offload.state_key(name, key)
         return store.read(skey) if store.tensor(skey) is value else None
 
+    def _counters(self, steps: int | None = None) -> dict[str, Any]:
+        """What the disk tier's manifest records of the pipe for an exact resume (as
+        :meth:`state_dict`'s metadata does for a checkpoint)."""
+        return {"calls": self._calls, "seed": self.seed,
+                "steps": self._steps if steps is None else steps,
+                "predict_weights": self.predict_weights, "async_after": self.async_after}
+
+    def _resume_counters(self, seed: int | None) -> None:
+        """With the disk tier: a resumed directory's counters become the pipe's (the
+        dropout streams go on where the run was), a fresh one records the pipe's."""
+        state = self._state
+        if state.offload is None or state.offload.resumed is None:
+            state.counters = self._counters()
+            return
+        saved = dict(state.counters)
+        if seed is not None and "seed" in saved and int(saved["seed"]) != int(seed):
+            raise OffloadMismatchError(
+                f"offload_dir {state.offload.directory!r} holds a run whose dropout seed "
+                f"was {saved['seed']}, this pipe was given seed={seed}: its dropout masks "
+                f"would differ. Nothing was resumed: pass seed={saved['seed']} (or none, "
+                "to take the run's), or another offload_dir to start afresh")
+        schedule: dict[str, Any] = collections.OrderedDict()
+        schedule._metadata = {"roundpipe": saved}  # type: ignore[attr-defined]
+        self._check_schedule(schedule)
+        self.seed = int(saved.get("seed", self.seed))
+        self._calls = int(saved.get("calls", 0))
+        self._steps = int(saved.get("steps", 0))
+        log.info("roundpipe: resumed the disk tier %s at its step %d (%d steps, %d calls)",
+                 state.offload.directory, state.offload.step, self._steps, self._calls)
+
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
         """A load of several parts, committed as one (``load_checkpoint`` uses it)::
@@ -1022,16 +1092,22 @@ class RoundPipe:
         steps in flight."""
         self._optimizer.wait()
         state = self._state
-        if state.offload is None:
+        if state.offload is None or self._loading:  # (inside one already)
             yield
             return
         self._optimizer.run(state.hold_commits)
+        self._loading += 1
         ok = False
         try:
             yield
             ok = True
         finally:
-            self._optimizer.run(lambda: state.release_commits(ok))
+            self._loading -= 1
+
+            def release() -> None:
+                state.counters = self._counters()  # as loaded
+                state.release_commits(ok)
+            self._optimizer.run(release)
 
     def optim_parameters(self) -> list[torch.Tensor]:
         """The tensors an optimizer should update: fp32 (``optim_dtype``) masters of the
@@ -1106,8 +1182,10 @@ class RoundPipe:
         steps differently from this pipe's is refused (:class:`CheckpointError`) before
         anything is loaded."""
         self._check_schedule(state_dict)
-        self._optimizer.wait()
+        with self.loading():  # the disk tier: one commit, with the loaded counters
+            return self._load_state_dict(state_dict, strict)
 
+    def _load_state_dict(self, state_dict: dict[str, Any], strict: bool) -> Any:
         def load() -> Any:
             result = self.model.load_state_dict(state_dict, strict=strict)
             self._state.load_masters({n: state_dict[n] for n, _ in

@@ -115,6 +115,12 @@ class OffloadError(RoundPipeError, RuntimeError):
     use or that holds another run's state, a disk without room, an I/O error."""
 
 
+class OffloadMismatchError(OffloadError):
+    """``offload_resume`` found a directory whose committed state belongs to another
+    model or optimizer than this pipe's (the manifest records what it belongs to);
+    nothing was resumed."""
+
+
 class DataParallelError(RoundPipeError, RuntimeError):
     """Replicas could not combine their gradients (a collective failed or timed out, or
     the replicas do not run the same program); the group is unusable afterwards, except

@@ -29,6 +29,16 @@ def _model():
     return model.to(torch.bfloat16), tuple(a.to(torch.bfloat16) for a in args), kwargs
 
 
+def _dropout_model():
+    """An MLP with dropout: its masks are keyed by the pipe's seed and call count."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Dropout(0.3), torch.nn.ReLU(),
+        torch.nn.Linear(32, 32), torch.nn.Dropout(0.3), torch.nn.Tanh(),
+        torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    return model.to(torch.bfloat16), (torch.randn(8, 16).to(torch.bfloat16),), {}
+
+
 def _loss(out, _label):
     return out.float().square().mean()
 
@@ -42,10 +52,10 @@ def _opt(pipe, name, state_dtype):
 
 
 def _train(model, args, kwargs, devices, name, state_dtype, offload_dir=None, steps=STEPS,
-           on_pipe=None, by_unit=False):
+           on_pipe=None, by_unit=False, **options):
     pipe = RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
                      offload_dir=offload_dir,
-                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2), **options)
     opt = _opt(pipe, name, state_dtype)
     if on_pipe is not None:
         on_pipe(pipe, opt)
@@ -522,6 +532,13 @@ def test_a_kill_while_loading_a_checkpoint_leaves_the_state_before_it(tmp_path, 
         old, new = _tier_matches(files, one, one_opt), _tier_matches(files, two, two_opt)
         assert len(old) == 4 * len(one.optim_parameters())
         assert all(old) and not any(new), (old, new)
+        # and the directory reopens to that step: one more step equals two in memory
+        again, opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None,
+                            steps=1, offload_dir=path, offload_resume=True)
+        try:
+            _assert_equal(_snapshot(again, opt), _snapshot(two, two_opt))
+        finally:
+            again.close()
     finally:
         one.close()
         two.close()
@@ -566,3 +583,123 @@ def test_a_load_failing_half_way_leaves_the_files_and_refuses_until_loaded(tmp_p
     finally:
         pipe.close()
         ref.close()
+
+
+# --- a new pipe resuming the directory -------------------------------------------------
+
+@pytest.mark.parametrize("make, name, state_dtype, devices, by_unit", [
+    (_model, "AdamW", None, 1, False), (_dropout_model, "AdamW", torch.bfloat16, 3, True),
+    (_model, "SGD", None, 3, False)])
+def test_a_new_pipe_resumes_the_directory_exactly(tmp_path, make, name, state_dtype,
+                                                    devices, by_unit):
+    """Two steps with the tier, the pipe closed; a new pipe over a freshly built model
+    with offload_resume=True and a new optimizer takes one more step: weights, masters,
+    optimizer state (and the dropout masks, keyed by the run's seed and call count)
+    equal three uninterrupted steps in memory, bit for bit."""
+    model, args, kwargs = make()
+    fresh = copy.deepcopy(model)
+    ref, ref_opt = _train(copy.deepcopy(model), args, kwargs, devices, name, state_dtype,
+                          by_unit=by_unit, seed=7)
+    pipe, _ = _train(model, args, kwargs, devices, name, state_dtype, steps=2,
+                     offload_dir=tmp_path / "t", by_unit=by_unit, seed=7)
+    pipe.close()
+    assert not torch.equal(fresh[0].weight, ref.model[0].weight)
+    again, opt = _train(fresh, args, kwargs, devices, name, state_dtype, steps=1,
+                        offload_dir=tmp_path / "t", by_unit=by_unit, offload_resume=True)
+    try:
+        assert again.seed == 7 and again._steps == 3
+        _assert_equal(_snapshot(again, opt), _snapshot(ref, ref_opt))
+        step, files = read_committed(tmp_path / "t")
+        assert step == 3
+        for n, m in ref.optim_named_parameters():
+            assert torch.equal(files[f"master/{n}"], m.detach()), n
+    finally:
+        again.close()
+        ref.close()
+
+
+def _resume(model, path, **options):
+    return RoundPipe(model, devices=["cpu"], optim_dtype=torch.float32, offload_dir=path,
+                     offload_resume=True, **options)
+
+
+def test_a_directory_of_another_model_or_optimizer_is_refused(tmp_path):
+    """The manifest records what the directory belongs to; a resume with another model
+    (shapes, dtypes, trainable set, frozen values, master dtype), another optimizer
+    (class, state dtype, hyperparameters), another dropout seed, or without taking the
+    optimizer state is refused, naming what differs, and changes nothing: the directory
+    then resumes into the right pipe."""
+    from roundpipe import OffloadMismatchError
+    model, args, kwargs = _model()
+    model[0].bias.requires_grad_(False)  # a frozen parameter: its values are checked
+    path = tmp_path / "t"
+    pipe, _ = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None, steps=1,
+                     offload_dir=path, seed=3)
+    pipe.close()
+    before = read_committed(path)
+
+    wider = copy.deepcopy(model)
+    wider[6] = torch.nn.Linear(32, 5).to(torch.bfloat16)
+    with pytest.raises(OffloadMismatchError,
+                       match=r"'6.weight' bfloat16 \[4, 32\] trainable there, bfloat16 \[5"):
+        _resume(wider, path)
+    unfrozen = copy.deepcopy(model)
+    unfrozen[0].bias.requires_grad_(True)
+    with pytest.raises(OffloadMismatchError,
+                       match=r"'0.bias' bfloat16 \[32\] frozen there, bfloat16 \[32\] trainable"):
+        _resume(unfrozen, path)
+    other_values = copy.deepcopy(model)
+    with torch.no_grad():
+        other_values[0].bias.add_(1)
+    with pytest.raises(OffloadMismatchError, match="frozen parameters or buffers.*'0.bias'"):
+        _resume(other_values, path)
+    with pytest.raises(OffloadMismatchError, match="optim_dtype"):
+        RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=torch.float64,
+                  offload_dir=path, offload_resume=True)
+    with pytest.raises(OffloadMismatchError, match="seed=4"):
+        _resume(copy.deepcopy(model), path, seed=4)
+    for make, match in [
+            (lambda p: roundpipe.optim.SGD(p.optim_parameters(), lr=1e-2), "SGD"),
+            (lambda p: roundpipe.optim.AdamW(p.optim_parameters(), lr=1e-2), "0.01"),
+            (lambda p: _opt(p, "AdamW", torch.bfloat16), "bfloat16")]:
+        with _resume(copy.deepcopy(model), path) as p:
+            with pytest.raises(OffloadMismatchError, match=match):
+                make(p)
+    with _resume(copy.deepcopy(model), path) as p:  # no optimizer took the state
+        p.forward_backward(input_args=args, input_kwargs=kwargs, label=None, loss_fn=_loss)
+        opt = torch.optim.SGD(p.optim_parameters(), lr=1e-2)
+        with pytest.raises(OffloadMismatchError, match="no optimizer of this pipe took"):
+            p.step(lambda: opt.step())
+    after = read_committed(path)
+    assert after[0] == before[0] == 1
+    assert all(torch.equal(after[1][k], v) for k, v in before[1].items())
+    # the right model and optimizer resume it (another learning rate is no mismatch)
+    with _resume(copy.deepcopy(model), path) as p:
+        opt = roundpipe.optim.AdamW(p.optim_parameters(), lr=5e-3, weight_decay=0.1)
+        assert p.seed == 3 and len(opt.state) == len(p.optim_parameters())
+
+
+def test_a_fresh_pipe_never_takes_or_overwrites_a_directory_silently(tmp_path):
+    """Without offload_resume a directory with committed state is refused, saying how
+    to resume it; offload_resume=True on a directory without state is refused; "auto"
+    starts afresh there and resumes once there is state."""
+    model, args, kwargs = _model()
+    path = tmp_path / "t"
+    with pytest.raises(OffloadError, match="holds no committed state"):
+        _resume(copy.deepcopy(model), path)
+    pipe, _ = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None, steps=1,
+                     offload_dir=path, offload_resume="auto")
+    assert pipe._steps == 1
+    pipe.close()
+    with pytest.raises(OffloadError, match="offload_resume=True"):
+        RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=torch.float32,
+                  offload_dir=path)
+    assert read_committed(path)[0] == 1
+    pipe, _ = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None, steps=1,
+                     offload_dir=path, offload_resume="auto")
+    try:
+        assert pipe._steps == 2 and read_committed(path)[0] == 2
+    finally:
+        pipe.close()
+    with pytest.raises(ConfigError, match="offload_resume"):
+        RoundPipe(model, devices=["cpu"], optim_dtype=torch.float32, offload_resume=True)

@@ -51,7 +51,8 @@ class OnePass:
     #: reads the landed gradients in its own pass, its moments are ``state_dtype``
     reads_landed_grads = True
 
-    def _init_one_pass(self, state_dtype: torch.dtype | None, kernel: str = "auto") -> None:
+    def _init_one_pass(self, state_dtype: torch.dtype | None, kernel: str = "auto",
+                       resume: bool = True) -> None:
         if kernel not in KERNELS:
             raise OptimizerError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, "
                                  f"got {kernel!r}")
@@ -81,6 +82,15 @@ class OnePass:
         if not getattr(self, "_unbinds", False):  # once: a second would unbind twice
             weakref.finalize(self, _unbind, self._bindings)
             self._unbinds = True
+        if resume:
+            self._resume_from_tier()
+
+    def _resume_from_tier(self) -> None:
+        """A pipe resumed from its disk tier (``offload_resume``) checks this optimizer
+        against the run's and gives it the state the directory holds."""
+        for landed in self._landed_bindings():
+            if landed.resume is not None:
+                landed.resume(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):
@@ -97,6 +107,9 @@ class OnePass:
         group = self.param_groups[-1]  # type: ignore[attr-defined]
         if hasattr(self, "state_dtype"):  # a group added after construction
             self._check_stochastic_rounding(group)
+            resume = True
+        else:
+            resume = False
         for p in group["params"]:
             owner = owner_of(p)
             if owner is None:
@@ -108,6 +121,8 @@ class OnePass:
             owner[0].bind(owner[1])
             owner[0].optimizers.add(self)
             self._bindings.append(owner)
+        if resume:
+            self._resume_from_tier()
 
     #: parameter dtypes the fused kernel is right for (torch's own step takes the rest)
     _fused_dtypes: frozenset[torch.dtype] = frozenset(
@@ -591,7 +606,7 @@ class OnePass:
         kernel = state.pop("kernel", getattr(self, "kernel", "auto"))
         super().__setstate__(state)  # type: ignore[misc]
         self._init_one_pass(state_dtype, "auto" if kernel == "native" and
-                            native.library() is None else kernel)
+                            native.library() is None else kernel, resume=False)
         for group in self.param_groups:  # type: ignore[attr-defined]
             for p in group["params"]:
                 owner = owner_of(p)

@@ -17,6 +17,9 @@ are keyed by parameter name); :class:`HostState` maps one program's state slots 
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -24,10 +27,11 @@ from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 
-from ..errors import StepError
+from ..errors import OffloadMismatchError, StepError
 from ..plan import ModelProgram, StateSpec
 from .masters import LandedGrads, Master, UnitSchedule, owner_of, raw_grad, set_raw_grad
-from .offload import OffloadError, OffloadStore, OffloadWindow, master_key, state_key, wait
+from .offload import (OffloadError, OffloadStore, OffloadWindow, dtype_of, master_key,
+                      state_key, wait)
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +123,23 @@ class WeightFences:
         return True
 
 
+def _plain(value: object) -> object:
+    """A hyperparameter as JSON data (a tensor's values, a tuple as a list)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
 class ModelState:
     """Masters, fences and gradient commits for one model (shared across its programs)."""
 
     def __init__(self, model: torch.nn.Module, optim_dtype: torch.dtype | None,
-                 offload_dir: str | None = None) -> None:
+                 offload_dir: str | None = None, offload_resume: bool | str = False
+                 ) -> None:
         self.model = model
         self.optim_dtype = optim_dtype
         self.fences = WeightFences()
@@ -153,12 +169,27 @@ class ModelState:
         # The disk tier (offload_dir): masters and bound optimizers' state in files,
         # staged while a step updates them (runtime/offload.py).
         self.offload: OffloadStore | None = None
-        if offload_dir is not None:
-            self.offload = OffloadStore(offload_dir)
-            self.landed.offload = self.offload
-            self.landed.absorb = self._absorb_loaded
         self._window: OffloadWindow | None = None  # the disk tier's step in progress
         self._held_written = 0  # bytes the files had taken when a held load began
+        # What the manifest records of the pipe (dropout streams, step count): set by
+        # the pipe for each step as it is enqueued (by fence version) and at loads.
+        self.counters: dict[str, object] = {}
+        self.step_counters: dict[int, dict[str, object]] = {}
+        self._digests: dict[str, tuple[int, int, str]] = {}  # name -> (ptr, version, hex)
+        self._resume_checked: set[str] = set()  # masters whose optimizer was checked
+        if offload_dir is not None:
+            self.offload = OffloadStore(offload_dir, resume=offload_resume)
+            self.landed.offload = self.offload
+            self.landed.absorb = self._absorb_loaded
+            self.landed.resume = self.resume_optimizer
+            self.offload.meta["model"] = self._model_fingerprint()
+            self.offload.before_commit = self._before_commit
+            if self.offload.resumed is not None:
+                try:
+                    self._resume_masters()
+                except BaseException:
+                    self.offload.close()
+                    raise
 
     @property
     def has_masters(self) -> bool:
@@ -351,11 +382,16 @@ class ModelState:
         self.landed.unit_schedule = staged
         return staged
 
-    def offload_finish(self) -> None:
+    def offload_finish(self, version: int | None = None) -> None:
         """A step ended whole: its writes finish, state the optimizers made goes to the
-        files, and the manifest names the new slots (step k + 1 is committed)."""
+        files, and the manifest names the new slots (step k + 1 is committed), with the
+        pipe's counters as they were when step ``version`` was enqueued."""
         store = self.offload
         assert store is not None
+        if version is not None and version in self.step_counters:
+            self.counters = self.step_counters.pop(version)
+            for v in [v for v in self.step_counters if v < version]:
+                del self.step_counters[v]  # steps that failed
         self.landed.unit_schedule = None
         window, self._window = self._window, None
         if window is not None:
@@ -398,6 +434,170 @@ class ModelState:
         assert self.offload is not None
         self.absorb_optimizer_state([optimizer])
         self.offload.commit()
+
+    # --- the disk tier's record of what it belongs to, and resuming from it ---------------
+    def _model_fingerprint(self) -> dict[str, object]:
+        model = self.model
+        persistent = set(model.state_dict(keep_vars=True))
+        return {
+            "class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "optim_dtype": str(self.optim_dtype).replace("torch.", ""),
+            "parameters": [[n, list(p.shape), str(p.dtype).replace("torch.", ""),
+                            p.requires_grad] for n, p in self._params.items()],
+            "buffers": [[n, list(b.shape), str(b.dtype).replace("torch.", "")]
+                        for n, b in model.named_buffers() if n in persistent],
+        }
+
+    def _value_digests(self) -> dict[str, str]:
+        """A digest of each frozen parameter and persistent buffer (the tier does not
+        hold them: a resume takes them from the model it is given, which must hold the
+        run's).  Cached while a tensor's memory and version counter stay the same."""
+        persistent = set(self.model.state_dict(keep_vars=True))
+        tensors = [(n, p) for n, p in self._params.items() if not p.requires_grad] + [
+            (n, b) for n, b in self.model.named_buffers() if n in persistent]
+        out = {}
+        for name, t in tensors:
+            t = t.detach()
+            key = (t.data_ptr(), t._version)
+            cached = self._digests.get(name)
+            if cached is None or cached[:2] != key:
+                flat = t.contiguous().reshape(-1).view(torch.uint8)
+                h = hashlib.blake2b(digest_size=16)
+                if flat.numel():
+                    h.update((ctypes.c_char * flat.numel()).from_address(flat.data_ptr()))
+                cached = self._digests[name] = (*key, h.hexdigest())
+            out[name] = cached[2]
+        return out
+
+    def _optimizer_fingerprints(self, optimizers: Iterable[object] | None = None
+                                ) -> dict[str, object]:
+        """For each master a bound optimizer steps: its class, state dtype and the
+        hyperparameters of its group (the learning rate apart: schedulers change it)."""
+        out: dict[str, object] = {}
+        for opt in list(self.landed.optimizers if optimizers is None else optimizers):
+            for group in opt.param_groups:  # type: ignore[attr-defined]
+                hyper = {k: _plain(v) for k, v in sorted(group.items())
+                         if k not in ("params", "lr", "initial_lr")}
+                fingerprint = {
+                    "class": f"{type(opt).__module__}.{type(opt).__qualname__}",
+                    "state_dtype": str(opt.__dict__.get(
+                        "_state_dtype_given", getattr(opt, "state_dtype", None))),
+                    "hyperparameters": hyper}
+                for p in group["params"]:
+                    owner = owner_of(p)
+                    if owner is not None and owner[0] is self.landed:
+                        out[owner[1]] = fingerprint
+        return json.loads(json.dumps(out, default=repr))
+
+    def _before_commit(self) -> None:
+        store = self.offload
+        assert store is not None
+        store.meta["pipe"] = dict(self.counters)
+        store.meta["optimizers"] = self._optimizer_fingerprints()
+        store.meta["values"] = self._value_digests()
+
+    def _mismatch(self, what: str) -> OffloadMismatchError:
+        assert self.offload is not None
+        return OffloadMismatchError(
+            f"offload_dir {self.offload.directory!r} holds the state of step "
+            f"{self.offload.step} of a run with another {what}. Nothing was resumed: "
+            "resume it with the model (and optimizer) it was written for, or pass another "
+            "offload_dir (or remove this one) to start afresh")
+
+    def _resume_masters(self) -> None:
+        """Check that the resumed directory belongs to this model, then adopt its
+        masters and publish them into the model's weights (as after a synchronize)."""
+        store = self.offload
+        assert store is not None and store.resumed is not None
+        meta = store.resumed["meta"]
+        theirs, mine = meta.get("model") or {}, store.meta["model"]
+        for field in ("class", "optim_dtype"):
+            if theirs.get(field) != mine[field]:
+                raise self._mismatch(f"model: its {field} was {theirs.get(field)!r}, this "
+                                     f"pipe's is {mine[field]!r}")
+        for field in ("parameters", "buffers"):
+            a = {e[0]: e[1:] for e in theirs.get(field, [])}
+            b = {e[0]: e[1:] for e in mine[field]}  # type: ignore[union-attr]
+            def describe(entry: list | None) -> str:
+                if entry is None:
+                    return "absent"
+                return f"{entry[1]} {entry[0]}" + (
+                    "" if len(entry) < 3 else " trainable" if entry[2] else " frozen")
+            differ = [f"{n!r} {describe(a.get(n))} there, {describe(b.get(n))} here"
+                      for n in list(b) + [n for n in a if n not in b] if a.get(n) != b.get(n)]
+            if differ:
+                raise self._mismatch(
+                    f"model: {len(differ)} of its {field} differ ("
+                    + "; ".join(differ[:3]) + ("; ..." if len(differ) > 3 else "") + ")")
+        recorded, now = meta.get("values", {}), self._value_digests()
+        differ = sorted(n for n in set(recorded) | set(now) if recorded.get(n) != now.get(n))
+        if differ:
+            raise self._mismatch(
+                f"model's frozen parameters or buffers: {len(differ)} hold other values "
+                f"than the run's at its last step ({', '.join(map(repr, differ[:4]))}"
+                + (", ..." if len(differ) > 4 else "") + "); the tier keeps only the "
+                "trainable parameters' masters and their optimizer state, so a resume takes "
+                "the rest from the model it is given: build it as the run did (the same "
+                "pretrained weights), or resume from a checkpoint (save_checkpoint), which "
+                "holds buffers a training changes (batch-norm statistics)")
+        with torch.no_grad():
+            for name, param in self._params.items():
+                if not param.requires_grad:
+                    continue
+                master = Master(torch.empty(param.shape, dtype=self.optim_dtype),
+                                requires_grad=True)
+                if not store.adopt(master_key(name), master, group=name):
+                    raise self._mismatch(f"set of masters: it has none for {name!r}")
+                self.landed.adopt(master, name)
+                self._masters[name] = master
+                key = [master_key(name)]
+                try:
+                    wait(store.stage(key))
+                    param.copy_(master)
+                finally:
+                    store.evict(key)
+        self.counters = dict(meta.get("pipe") or {})
+
+    def resume_optimizer(self, optimizer: object) -> None:
+        """A ``roundpipe.optim`` optimizer bound this pipe's masters: with a resumed
+        directory, check it is the run's (class, state dtype, hyperparameters but the
+        learning rate) and give it the state the directory holds for them."""
+        store = self.offload
+        if store is None or store.resumed is None:
+            return
+        recorded = store.resumed["meta"].get("optimizers") or {}
+        mine = self._optimizer_fingerprints([optimizer])
+        fresh = [n for n in mine if n not in self._resume_checked]
+        for name in fresh:
+            if recorded and recorded.get(name) != mine[name]:
+                theirs = recorded.get(name)
+                raise self._mismatch(
+                    f"optimizer for {name!r}: the run's was "
+                    + (f"{theirs}" if theirs else "none (it did not step it)")
+                    + f", this one is {mine[name]} (the learning rate is not compared)")
+        state = optimizer.state  # type: ignore[attr-defined]
+        for group in optimizer.param_groups:  # type: ignore[attr-defined]
+            for p in group["params"]:
+                owner = owner_of(p)
+                if owner is None or owner[0] is not self.landed or owner[1] not in fresh:
+                    continue
+                name = owner[1]
+                for skey in store.resumed_keys(f"state/{name}/"):
+                    key = skey[len(f"state/{name}/"):]
+                    if key in state[p]:  # set already (a load): that value wins
+                        continue
+                    info = store.resumed["entries"][skey]
+                    value = torch.empty(info["shape"], dtype=dtype_of(info["dtype"]))
+                    store.adopt(skey, value, group=name)
+                    state[p][key] = value
+        self._resume_checked.update(fresh)
+
+    def unresumed(self) -> list[str]:
+        """Optimizer state the resumed directory holds that no optimizer took yet (a
+        step now would drop it from the files)."""
+        if self.offload is None or self.offload.resumed is None:
+            return []
+        return self.offload.resumed_keys("state/")
 
     def hold_commits(self) -> None:
         """A load of several parts starts (the model's state, then the optimizer's):

@@ -151,6 +151,9 @@ class LandedGrads:
         self.offload: Any = None
         # With the disk tier: puts an optimizer's state (just loaded) into the files.
         self.absorb: Callable[[Any], None] | None = None
+        # With a resumed disk tier: checks an optimizer just bound and hands it the
+        # state the directory holds for its masters.
+        self.resume: Callable[[Any], None] | None = None
 
     # --- binding (the optimizer) ------------------------------------------------------
     def adopt(self, master: Master, name: str) -> None:

@@ -49,7 +49,8 @@ from .atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
 
-FORMAT = "roundpipe-offload-1"
+FORMAT = "roundpipe-offload-2"  # 2: both slots of each tensor, and "meta"
+_READABLE = ("roundpipe-offload-1", FORMAT)
 DATA_FILE = "data.bin"
 MANIFEST = "manifest.json"
 ALIGN = 4096
@@ -63,6 +64,10 @@ IO_THREADS = 4
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return _DTYPES[name]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -168,22 +173,42 @@ class OffloadStore:
     """The files of one pipe's disk tier (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike[str], io_threads: int = IO_THREADS,
-                 direct: bool = True) -> None:
+                 direct: bool = True, resume: bool | str = False) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as e:
             raise OffloadError(f"offload_dir {self.directory!r} cannot be created ({e}); "
                                "pass a writable directory on a local disk") from e
-        if os.path.exists(os.path.join(self.directory, MANIFEST)):
-            step = read_manifest(self.directory).get("step")
-            raise OffloadError(
-                f"offload_dir {self.directory!r} holds the committed state of step {step} "
-                "of another run (its masters and optimizer state). A new pipe does not "
-                "overwrite it: read it with roundpipe.runtime.offload.read_committed(path), "
-                "or remove the directory (or pass another one)")
         path = os.path.join(self.directory, DATA_FILE)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        #: the committed manifest a resume continues from (None: a fresh directory)
+        self.resumed: dict | None = None
+        if os.path.exists(os.path.join(self.directory, MANIFEST)):
+            manifest = read_manifest(self.directory)
+            if not resume:
+                raise OffloadError(
+                    f"offload_dir {self.directory!r} holds the committed state of step "
+                    f"{manifest.get('step')} of another run (its masters and optimizer "
+                    "state). A new pipe does not overwrite it: pass offload_resume=True to "
+                    "continue that run from it (the pipe checks that it is the same model "
+                    "and optimizer), remove the directory (or pass another one) to start "
+                    "afresh, or read it with roundpipe.runtime.offload.read_committed(path)")
+            if manifest.get("format") != FORMAT or "meta" not in manifest:
+                raise OffloadError(
+                    f"offload_dir {self.directory!r} was written by an older roundpipe "
+                    f"({manifest.get('format')}), whose manifest does not record the model "
+                    "and optimizer it belongs to, so it cannot be resumed safely: load a "
+                    "checkpoint instead, or read it with "
+                    "roundpipe.runtime.offload.read_committed(path)")
+            self.resumed = manifest
+        elif resume is True:
+            raise OffloadError(
+                f"offload_resume=True but offload_dir {self.directory!r} holds no committed "
+                "state to resume (no manifest.json: no step of a run with it finished). "
+                "Pass offload_resume='auto' to resume when there is state and start afresh "
+                "otherwise, or offload_resume=False for a fresh run")
+        flags = os.O_RDWR | os.O_CREAT | (0 if self.resumed is not None else os.O_TRUNC)
+        self._fd = os.open(path, flags, 0o600)
         # I/O bypasses the page cache where the file system allows (O_DIRECT): on the
         # disks measured, buffered writes flushed with fdatasync ran at a twentieth of
         # the direct ones (docs/architecture.md, "The disk tier").
@@ -196,7 +221,8 @@ class OffloadStore:
             else:
                 os.close(self._fd)
                 self._fd = fd
-        self._end = 0
+        # a resumed file keeps its regions: new ones go after them
+        self._end = -(-os.fstat(self._fd).st_size // ALIGN) * ALIGN
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._groups: dict[str, list[str]] = {}  # parameter name -> its keys
@@ -206,7 +232,11 @@ class OffloadStore:
                                         thread_name_prefix="roundpipe-offload-read")
         self._write_pool = ThreadPoolExecutor(max_workers=io_threads,
                                               thread_name_prefix="roundpipe-offload-write")
-        self.step = 0  # steps committed
+        self.step = 0 if self.resumed is None else int(self.resumed["step"])  # commits
+        #: plain data written into every manifest (what the directory belongs to)
+        self.meta: dict = {}
+        #: called before each commit writes the manifest (updates ``meta``)
+        self.before_commit: Callable[[], None] | None = None
         # What a step may roll back to: key -> current at begin(), resident bytes.
         self._begun: dict[str, int | str] | None = None
         self._resident_at_begin: dict[str, bytes] = {}
@@ -268,9 +298,15 @@ class OffloadStore:
                 self._entries[key] = _Entry(key, tensor, nbytes, (0, 0), "resident",
                                             committed=None if old is None else old.committed)
                 return
+            resumed = (self.resumed or {}).get("entries", {}).get(key, {})
             if old is not None and old.nbytes == nbytes and old.current != "resident":
                 offsets = old.offsets
                 committed = old.committed
+            elif old is None and "slots" in resumed and resumed["dtype"] == \
+                    _dtype_name(tensor.dtype) and list(resumed["shape"]) == \
+                    list(tensor.shape):  # a resumed key not adopted: its regions
+                offsets = (int(resumed["slots"][0]), int(resumed["slots"][1]))
+                committed = offsets.index(int(resumed["offset"]))
             else:
                 size = -(-nbytes // ALIGN) * ALIGN
                 offsets = (self._end, self._end + size)
@@ -308,6 +344,39 @@ class OffloadStore:
                 if entry is not None and entry.staged:
                     self._count_staged(-entry.nbytes)
                 self._ungroup(key)
+
+    def adopt(self, key: str, tensor: torch.Tensor, *, group: str) -> bool:
+        """Resume: make ``tensor`` (the right shape and dtype, contiguous) the value the
+        resumed manifest commits under ``key``, without reading it (its memory is freed;
+        a resident one gets its inline bytes).  False if the manifest has no such key
+        (or a key registered since)."""
+        info = (self.resumed or {}).get("entries", {}).get(key)
+        if info is None or self.has(key):
+            return False
+        nbytes = tensor.numel() * tensor.element_size()
+        if (info["dtype"] != _dtype_name(tensor.dtype) or list(info["shape"]) !=
+                list(tensor.shape) or not tensor.is_contiguous()):
+            raise OffloadError(f"internal: {key} is {info['dtype']} {info['shape']} in "
+                               f"the manifest, {tensor.dtype} {list(tensor.shape)} here")
+        with self._lock:
+            self._groups.setdefault(group, []).append(key)
+            if "bytes" in info:
+                data = bytes.fromhex(info["bytes"])
+                if nbytes:
+                    ctypes.memmove(tensor.data_ptr(), data, nbytes)
+                self._entries[key] = _Entry(key, tensor, nbytes, (0, 0), "resident")
+                return True
+            slots = (int(info["slots"][0]), int(info["slots"][1]))
+            slot = slots.index(int(info["offset"]))
+            self._entries[key] = _Entry(key, tensor, nbytes, slots, slot, committed=slot)
+        tensor.untyped_storage().resize_(0)
+        return True
+
+    def resumed_keys(self, prefix: str = "") -> list[str]:
+        """Keys of the resumed manifest not adopted or registered (yet)."""
+        entries = (self.resumed or {}).get("entries", {})
+        with self._lock:
+            return [k for k in entries if k.startswith(prefix) and k not in self._entries]
 
     def _ungroup(self, key: str) -> None:
         for keys in self._groups.values():
@@ -479,6 +548,8 @@ class OffloadStore:
                 return
         if self.fault is not None:
             self.fault("commit", self.step + 1)
+        if self.before_commit is not None:
+            self.before_commit()
         os.fdatasync(self._fd)
         with self._lock:
             entries = {}
@@ -489,11 +560,13 @@ class OffloadStore:
                         if e.nbytes else ""
                 elif e.current in (0, 1):
                     info["offset"] = e.offsets[e.current]
+                    info["slots"] = list(e.offsets)
                 else:
                     continue  # zeros never written: a resume starts it afresh
                 entries[key] = info
-            manifest = {"format": FORMAT, "step": self.step + 1, "entries": entries}
-            data = json.dumps(manifest).encode()
+            manifest = {"format": FORMAT, "step": self.step + 1, "entries": entries,
+                        "meta": self.meta}
+            data = json.dumps(manifest, default=repr).encode()
             write_atomically(os.path.join(self.directory, MANIFEST), lambda f: f.write(data))
             self.step += 1
             for e in self._entries.values():
@@ -589,7 +662,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict:
             manifest = json.loads(f.read())
     except (OSError, ValueError) as e:
         raise OffloadError(f"cannot read the offload manifest {path!r}: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in _READABLE:
         raise OffloadError(f"{path!r} is not a roundpipe offload manifest")
     return manifest
 

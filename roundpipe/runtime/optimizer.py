@@ -104,7 +104,7 @@ class OptimizerWorker:
             with watching(host, on_pass=lambda: self._passed(checked)):
                 fn()
             if host.offload is not None:  # the step's files are whole: commit them
-                host.offload_finish()
+                host.offload_finish(version)
             self._passed(checked)
         except BaseException as e:
             checked.misbuilt = isinstance(e, MisbuiltOptimizerError)
@@ -167,7 +167,7 @@ class OptimizerWorker:
             optimizer.step_frozen(groups, on_prepared=on_prepared)
             optimizer.zero_grad(groups=groups)  # the groups it stepped, not later ones
             if host.offload is not None:
-                host.offload_finish()
+                host.offload_finish(version)
             self._checked = True
         except BaseException as e:
             if host.offload is not None:  # the files stay at the last whole step
