@@ -140,7 +140,10 @@ class RoundPipe:
             Each step reads and
             writes them unit by unit and commits the files atomically, so a crash
             leaves the last whole step readable (``docs/guide.md``, "The disk tier").
-            Needs ``optim_dtype``; asynchronous steps run without weight prediction.
+            With ``optim_dtype`` the masters and their optimizer state are there
+            (asynchronous steps then run without weight prediction); without it
+            (bfloat16 training with ``stochastic_rounding=True``) the optimizer state
+            only, the weights staying in host memory.
         offload_resume: what to do with an ``offload_dir`` that holds a run's committed
             state.  ``False`` (default): refuse it (:class:`OffloadError`), never
             overwrite it.  ``True``: continue that run (it must hold one): the masters,
@@ -248,12 +251,13 @@ class RoundPipe:
             if not isinstance(offload_dir, (str, os.PathLike)):
                 raise ConfigError(f"offload_dir must be a directory path, got "
                                   f"{offload_dir!r}")
-            if optim_dtype is None:
+            if optim_dtype is None and offload_resume:
                 raise ConfigError(
-                    "offload_dir keeps the masters and the optimizer state on disk, but "
-                    "without optim_dtype the optimizer updates the model's own weights, "
-                    "which every call uploads from host memory: pass "
-                    "optim_dtype=torch.float32 (fp32 masters of a bf16 model)")
+                    "offload_resume continues a run from offload_dir, but without "
+                    "optim_dtype (stochastic rounding) the files hold only the optimizer "
+                    "state: the weights it was computed with lived in host memory and are "
+                    "gone. Resume such a run from a checkpoint (save_checkpoint / "
+                    "load_checkpoint), or train with optim_dtype=torch.float32")
             offload_dir = os.fspath(offload_dir)
         if offload_resume not in (False, True, "auto"):
             raise ConfigError(f"offload_resume must be False, True or 'auto', got "
@@ -932,7 +936,7 @@ class RoundPipe:
                 "the run's roundpipe.optim optimizer(s) over pipe.optim_parameters() "
                 "before stepping")
         if (is_async and self.predict_weights and self._state.offload is not None
-                and self._steps + 1 >= self.async_after):
+                and self._state.has_masters and self._steps + 1 >= self.async_after):
             raise ConfigError(
                 "step(is_async=True) predicts the weights from a second copy of the "
                 "masters kept in host memory, which the disk tier (offload_dir) does not "

@@ -85,12 +85,19 @@ def bytes_per_param(optimizer: Any, model_bytes: int, master_bytes: int | None,
     return float(landing + update + publish)
 
 
-def disk_bytes_per_param(optimizer: Any, master_bytes: int) -> float:
+def disk_bytes_per_param(optimizer: Any, master_bytes: int | None,
+                         model_bytes: int = 2) -> float:
     """Bytes the disk tier reads and writes per parameter per step: each master and
     each state tensor read once and written once (an exact ``pipe.step(opt)``, which
     publishes the staged masters; a ``step_fn`` re-reads the masters to publish them,
-    ``master_bytes`` more)."""
+    ``master_bytes`` more).  ``master_bytes`` None: no masters (stochastic rounding),
+    the files hold the moments only, in the model's dtype unless a state dtype was
+    given."""
     n_states, _ = _states(optimizer)
+    if master_bytes is None:
+        given = getattr(optimizer, "_state_dtype_given", None)
+        state = given.itemsize if isinstance(given, torch.dtype) else model_bytes
+        return float(2 * n_states * state)
     state = master_bytes
     if getattr(optimizer, "state_dtype", None) is not None:
         state = optimizer.state_dtype.itemsize
@@ -106,8 +113,8 @@ def estimate(optimizer: Any, params: int, model_bytes: int, master_bytes: int | 
     joins the estimate)."""
     bpp = bytes_per_param(optimizer, model_bytes, master_bytes, predict)
     disk = {}
-    if disk_bandwidth and master_bytes is not None:
-        dbpp = disk_bytes_per_param(optimizer, master_bytes)
+    if disk_bandwidth:
+        dbpp = disk_bytes_per_param(optimizer, master_bytes, model_bytes)
         disk = dict(disk_bytes_per_param=dbpp, disk_bandwidth=disk_bandwidth,
                     disk_seconds=params * dbpp / disk_bandwidth)
     _, name = _states(optimizer)

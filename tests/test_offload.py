@@ -300,8 +300,6 @@ def test_host_memory_reports_ram_and_disk_apart(tmp_path):
 
 def test_what_the_disk_tier_cannot_hold_is_refused(tmp_path):
     model, args, kwargs = _model()
-    with pytest.raises(ConfigError, match="optim_dtype"):
-        RoundPipe(model, devices=["cpu"], offload_dir=tmp_path / "t")
     with RoundPipe(model, devices=["cpu"], optim_dtype=torch.float32,
                    offload_dir=tmp_path / "t") as pipe:
         opt = torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
@@ -703,3 +701,162 @@ def test_a_fresh_pipe_never_takes_or_overwrites_a_directory_silently(tmp_path):
         pipe.close()
     with pytest.raises(ConfigError, match="offload_resume"):
         RoundPipe(model, devices=["cpu"], optim_dtype=torch.float32, offload_resume=True)
+
+
+# --- stochastic rounding (no masters): the bf16 moments in the tier ----------------------
+
+def _sr_opt(pipe, name):
+    if name == "AdamW":
+        return roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2, weight_decay=0.1,
+                                     stochastic_rounding=True, seed=5)
+    return roundpipe.optim.SGD(pipe.optim_parameters(), lr=1e-2, momentum=0.9,
+                               stochastic_rounding=True, seed=5)
+
+
+def _sr_train(model, args, kwargs, devices, name, offload_dir=None, steps=STEPS,
+              on_pipe=None):
+    pipe = RoundPipe(model, devices=["cpu"] * devices, optim_dtype=None,
+                     offload_dir=offload_dir,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    opt = _sr_opt(pipe, name)
+    if on_pipe is not None:
+        on_pipe(pipe, opt)
+    for _ in range(steps):
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+    return pipe, opt
+
+
+@pytest.mark.parametrize("name, devices", [("AdamW", 1), ("AdamW", 3), ("SGD", 3)])
+def test_stochastic_rounding_keeps_its_moments_in_the_tier_bitwise(tmp_path, name,
+                                                                    devices):
+    """A bf16 model without masters, stochastically rounded updates: with offload_dir the
+    bf16 moments live in the files (none in memory between steps, at most three units
+    staged), the weights stay in memory, and three steps equal the run in memory on one
+    device bit for bit; host_memory() shows the moments on disk."""
+    model, args, kwargs = _model()
+    ref, ref_opt = _sr_train(copy.deepcopy(model), args, kwargs, 1, name)
+    pipe, opt = _sr_train(model, args, kwargs, devices, name, offload_dir=tmp_path / "t")
+    try:
+        _assert_equal(_snapshot(pipe, opt), _snapshot(ref, ref_opt))
+        state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+        assert len(state) == (2 if name == "AdamW" else 1) * len(pipe.optim_parameters())
+        assert all(v.dtype == torch.bfloat16 for v in state)
+        big = [v for v in state if v.numel() * v.element_size() > RESIDENT_BYTES]
+        assert big and all(v.untyped_storage().nbytes() == 0 for v in big)
+        assert all(p.untyped_storage().nbytes() > 0 for p in pipe.optim_parameters())
+        total = sum(v.numel() * v.element_size() for v in big)
+        assert 0 < pipe.offload_stats().peak_staged_bytes < total
+        mem = pipe.host_memory(opt)
+        small = [v for s in opt.state.values() for v in s.values()
+                 if v.numel() * v.element_size() <= RESIDENT_BYTES]
+        assert mem.masters == 0 and mem.disk_masters == 0
+        assert mem.optimizer_state == sum(v.numel() * v.element_size() for v in small)
+        assert mem.disk_optimizer_state == sum(
+            2 * -(-v.numel() * v.element_size() // 4096) * 4096 for v in big)
+        step, files = read_committed(tmp_path / "t")
+        assert step == STEPS
+        names = {id(p): n for n, p in ref.optim_named_parameters()}
+        for p, s in ref_opt.state.items():
+            for key, value in s.items():
+                assert torch.equal(files[f"state/{names[id(p)]}/{key}"], value), key
+    finally:
+        pipe.close()
+        ref.close()
+
+
+def test_stochastic_rounding_with_the_tier_checkpoints_and_fails_safely(tmp_path):
+    """A checkpoint saved after two steps with the tier loads into a new pipe with a new
+    tier, and one more step equals three in memory. A step whose first read fails
+    changes nothing (the run goes on as in memory); one that fails after a unit's
+    weights were written refuses calls until a checkpoint is loaded."""
+    model, args, kwargs = _model()
+    ref, ref_opt = _sr_train(copy.deepcopy(model), args, kwargs, 1, "AdamW")
+    fresh = copy.deepcopy(model)
+    pipe, opt = _sr_train(copy.deepcopy(model), args, kwargs, 1, "AdamW", steps=2,
+                          offload_dir=tmp_path / "a")
+    save_checkpoint(tmp_path / "ck.pt", pipe, opt)
+    pipe.close()
+    pipe, opt = _sr_train(fresh, args, kwargs, 3, "AdamW", steps=1,
+                          offload_dir=tmp_path / "b",
+                          on_pipe=lambda p, o: load_checkpoint(tmp_path / "ck.pt", p, o))
+    try:
+        _assert_equal(_snapshot(pipe, opt), _snapshot(ref, ref_opt))
+    finally:
+        pipe.close()
+        ref.close()
+
+    ref, ref_opt = _sr_train(copy.deepcopy(model), args, kwargs, 1, "AdamW", steps=2)
+    pipe, opt = _sr_train(copy.deepcopy(model), args, kwargs, 1, "AdamW", steps=1,
+                          offload_dir=tmp_path / "c")
+    store = pipe._state.offload
+    reads = []
+
+    def fault(at):
+        def inject(what, key):
+            if what == "read" and store._begun is not None:
+                reads.append(key)
+                if len(reads) == at:
+                    raise OSError(5, "injected: Input/output error")
+        return inject
+    try:
+        # the 1st read is unit 0's, the 3rd unit 1's read ahead before unit 0 is
+        # updated, the 5th unit 2's, read ahead after unit 0 was updated
+        for at, mixed in ((1, False), (3, False), (5, True)):
+            reads.clear()
+            store.fault = fault(at)
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                  loss_fn=_loss)
+            with pytest.raises(StepError, match="injected"):
+                pipe.step(lambda: (opt.step(), opt.zero_grad()))
+            store.fault = None
+            assert read_committed(tmp_path / "c")[0] == 1 and store.staged_bytes == 0
+            opt.zero_grad()
+            if not mixed:  # nothing was written: the run goes on
+                continue
+            with pytest.raises(StepError, match="load_checkpoint"):
+                pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                      loss_fn=_loss)
+        load_checkpoint(tmp_path / "ck.pt", pipe, opt)  # two steps: as the reference
+        _assert_equal(_snapshot(pipe, opt), _snapshot(ref, ref_opt))
+    finally:
+        pipe.close()
+        ref.close()
+
+
+def test_what_the_tier_cannot_hold_without_masters_is_refused(tmp_path):
+    """Without masters the files hold only stochastically rounded (or state_dtype)
+    updates' state: torch's implementation and torch optimizers are refused before
+    anything runs, and so is resuming (the weights are not in the files)."""
+    model, args, kwargs = _model()
+    with RoundPipe(copy.deepcopy(model), devices=["cpu"],
+                   offload_dir=tmp_path / "t") as pipe:
+        with pytest.raises(OptimizerError, match="stochastic_rounding=True"):
+            roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        opt = torch.optim.SGD(pipe.optim_parameters(), lr=1e-2)
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+        weights = [p.detach().clone() for p in pipe.optim_parameters()]
+        with pytest.raises(OptimizerError, match="roundpipe.optim"):
+            pipe.step(lambda: opt.step())
+        assert all(torch.equal(w, p) for w, p in zip(weights, pipe.optim_parameters()))
+    with pytest.raises(ConfigError, match="checkpoint"):
+        RoundPipe(model, devices=["cpu"], offload_dir=tmp_path / "t",
+                  offload_resume="auto")
+
+
+@pytest.mark.parametrize("name, expected", [("AdamW", 8.0), ("SGD", 4.0)])
+def test_the_host_step_estimate_gives_the_disk_time_of_the_moments(tmp_path, name,
+                                                                     expected):
+    """Without masters the tier reads and writes only the bf16 moments: AdamW's two
+    (2 x 2 x 2 B), SGD's momentum (2 x 2 B) per parameter and step."""
+    model, args, kwargs = _model()
+    pipe, opt = _sr_train(model, args, kwargs, 1, name, offload_dir=tmp_path / "t",
+                          steps=1)
+    try:
+        est = pipe.host_step_estimate(opt)
+        assert est.disk_bytes_per_param == expected
+        assert "disk tier: %d B/param" % expected in str(est)
+    finally:
+        pipe.close()

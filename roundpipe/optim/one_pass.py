@@ -19,7 +19,7 @@ import torch
 
 from ..errors import HostOutOfMemoryError, OptimizerError
 from ..runtime.masters import (LandedGrads, UnitSchedule, owner_of, raw_grad,
-                               set_raw_grad)
+                               set_raw_grad, tier_owner_of)
 from . import kernels, native, stochastic
 
 #: the update kernels an optimizer may be asked for (native.py, kernels.py)
@@ -82,8 +82,27 @@ class OnePass:
         if not getattr(self, "_unbinds", False):  # once: a second would unbind twice
             weakref.finalize(self, _unbind, self._bindings)
             self._unbinds = True
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            self._check_tiered(group)
         if resume:
             self._resume_from_tier()
+
+    def _check_tiered(self, group: dict[str, Any]) -> None:
+        """A pipe's disk tier without masters holds the state this class's own kernels
+        make (stochastic rounding, or a ``state_dtype``); torch's implementation, which
+        steps the rest, would keep its state in host memory and find none staged."""
+        for i, p in enumerate(group["params"]):
+            owner = tier_owner_of(p)
+            if owner is None or owner_of(p) is not None or self._handles_in(group, p):
+                continue
+            raise OptimizerError(
+                f"{type(self).__name__}: {owner[1]!r} ({p.dtype}) is a parameter of a pipe "
+                "with the disk tier (offload_dir) and no masters (optim_dtype=None), where "
+                "the files hold the state of stochastically rounded updates, but its group "
+                "is stepped by torch's implementation, whose state would stay in host "
+                "memory and be updated whole. Pass stochastic_rounding=True (bfloat16 "
+                "parameters), or build the pipe with optim_dtype=torch.float32 (masters), "
+                "or drop offload_dir")
 
     def _resume_from_tier(self) -> None:
         """A pipe resumed from its disk tier (``offload_resume``) checks this optimizer
@@ -104,6 +123,8 @@ class OnePass:
         super().add_param_group(param_group)  # type: ignore[misc]
         if not hasattr(self, "_bindings"):  # torch's __init__ adds the first groups
             self._bindings = []
+        if not hasattr(self, "_tiered"):  # parameters of a disk tier without masters
+            self._tiered: list[tuple[LandedGrads, str]] = []
         group = self.param_groups[-1]  # type: ignore[attr-defined]
         if hasattr(self, "state_dtype"):  # a group added after construction
             self._check_stochastic_rounding(group)
@@ -113,6 +134,10 @@ class OnePass:
         for p in group["params"]:
             owner = owner_of(p)
             if owner is None:
+                tiered = tier_owner_of(p)
+                if tiered is not None:
+                    tiered[0].optimizers.add(self)
+                    self._tiered.append(tiered)
                 continue
             if group.get("differentiable") or group.get("capturable"):
                 raise OptimizerError(
@@ -122,6 +147,7 @@ class OnePass:
             owner[0].optimizers.add(self)
             self._bindings.append(owner)
         if resume:
+            self._check_tiered(group)
             self._resume_from_tier()
 
     #: parameter dtypes the fused kernel is right for (torch's own step takes the rest)
@@ -188,7 +214,8 @@ class OnePass:
                     "(a RoundPipe does) or use torch.optim for device parameters")
 
     def _landed_bindings(self) -> list[LandedGrads]:
-        return list({id(b[0]): b[0] for b in self._bindings}.values())
+        bindings = self._bindings + self.__dict__.get("_tiered", [])
+        return list({id(b[0]): b[0] for b in bindings}.values())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -324,7 +351,7 @@ class OnePass:
                 [[] for _ in work] for _ in range(n + 1)]
             for gi, pairs in enumerate(work):
                 for p, grad in pairs:
-                    owner = owner_of(p)
+                    owner = tier_owner_of(p)
                     k = (index.get(owner[1], n) if owner is not None
                          and owner[0] is schedule.landed else n)
                     split[k][gi].append((p, grad))
@@ -513,7 +540,7 @@ class OnePass:
     def _moment(self, p: torch.Tensor, key: str | None = None,
                 group: dict[str, Any] | None = None) -> torch.Tensor:
         dtype = self._moment_dtype(p, group or {})
-        owner = owner_of(p)
+        owner = tier_owner_of(p)
         store = owner[0].offload if owner is not None else None
         if store is None or key is None:
             return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
@@ -640,7 +667,7 @@ class OnePass:
             for p in group["params"]:
                 index.setdefault(id(p), len(index))  # torch's numbering
         for p, state in self.state.items():  # type: ignore[attr-defined]
-            owner = owner_of(p)
+            owner = tier_owner_of(p)
             store = owner[0].offload if owner is not None else None
             if store is None or id(p) not in index:
                 continue

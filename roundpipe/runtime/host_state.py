@@ -29,7 +29,8 @@ import torch
 
 from ..errors import OffloadMismatchError, StepError
 from ..plan import ModelProgram, StateSpec
-from .masters import LandedGrads, Master, UnitSchedule, owner_of, raw_grad, set_raw_grad
+from .masters import (LandedGrads, Master, UnitSchedule, raw_grad, set_raw_grad,
+                      tier_owner_of, tier_param)
 from .offload import (OffloadError, OffloadStore, OffloadWindow, dtype_of, master_key,
                       state_key, wait)
 
@@ -184,6 +185,9 @@ class ModelState:
             self.landed.resume = self.resume_optimizer
             self.offload.meta["model"] = self._model_fingerprint()
             self.offload.before_commit = self._before_commit
+            if not self.has_masters:  # the optimizer updates the weights: its state only
+                for name, param in self._params.items():
+                    tier_param(self.landed, param, name)
             if self.offload.resumed is not None:
                 try:
                     self._resume_masters()
@@ -344,18 +348,21 @@ class ModelState:
         store = self.offload
         assert store is not None
         store.begin()
+        # what the store holds state for: the masters, or without them (stochastic
+        # rounding) the parameters the optimizer updates in place
+        tiered = self._masters if self.has_masters else self._params
         if schedule is None:
             done: set[str] = set()
             units = []
-            for group in self.publish_groups + [tuple(self._masters)]:
-                unit = tuple(n for n in group if n in self._masters and n not in done)
+            for group in self.publish_groups + [tuple(tiered)]:
+                unit = tuple(n for n in group if n in tiered and n not in done)
                 done.update(unit)
                 if unit:
                     units.append(unit)
             schedule = UnitSchedule(self.landed, units)
         else:  # every master in some unit: none is updated unstaged
             covered = {n for u in schedule.units for n in u}
-            rest = tuple(n for n in self._masters if n not in covered)
+            rest = tuple(n for n in tiered if n not in covered)
             if rest:
                 schedule = UnitSchedule(self.landed, schedule.units + (rest,),
                                         schedule._before, schedule._after)
@@ -410,7 +417,7 @@ class ModelState:
         assert store is not None
         for opt in list(self.landed.optimizers if optimizers is None else optimizers):
             for p, state in list(opt.state.items()):  # type: ignore[attr-defined]
-                owner = owner_of(p)
+                owner = tier_owner_of(p)
                 if owner is None or owner[0] is not self.landed:
                     continue
                 for key, value in list(state.items()):
@@ -484,7 +491,7 @@ class ModelState:
                         "_state_dtype_given", getattr(opt, "state_dtype", None))),
                     "hyperparameters": hyper}
                 for p in group["params"]:
-                    owner = owner_of(p)
+                    owner = tier_owner_of(p)
                     if owner is not None and owner[0] is self.landed:
                         out[owner[1]] = fingerprint
         return json.loads(json.dumps(out, default=repr))
@@ -578,7 +585,7 @@ class ModelState:
         state = optimizer.state  # type: ignore[attr-defined]
         for group in optimizer.param_groups:  # type: ignore[attr-defined]
             for p in group["params"]:
-                owner = owner_of(p)
+                owner = tier_owner_of(p)
                 if owner is None or owner[0] is not self.landed or owner[1] not in fresh:
                     continue
                 name = owner[1]
@@ -651,7 +658,7 @@ class ModelState:
         store.rollback()
         for opt in list(self.landed.optimizers):
             for p, state in list(opt.state.items()):  # type: ignore[attr-defined]
-                owner = owner_of(p)
+                owner = tier_owner_of(p)
                 if owner is None or owner[0] is not self.landed:
                     continue
                 for key in [k for k, v in state.items() if isinstance(v, torch.Tensor)
@@ -659,6 +666,21 @@ class ModelState:
                     del state[key]
                 if not state:
                     del opt.state[p]  # type: ignore[attr-defined]
+
+    def fail_unmastered_step(self, error: BaseException) -> None:
+        """A step of a pipe with the disk tier and no masters failed: the files keep the
+        last whole step's optimizer state; if some unit was already updated (its
+        weights written in place), every call and step refuses until state is loaded."""
+        schedule = self.landed.unit_schedule  # started: a unit's update may have begun
+        started = schedule is not None and schedule.started
+        self.offload_rollback()
+        if started:
+            why = (f"a step failed part-way ({type(error).__name__}: {error}) after some "
+                   "weights were updated in place (no masters, optim_dtype=None): the "
+                   "weights and the optimizer state in offload_dir mix two steps. Load a "
+                   "checkpoint (load_checkpoint) to go on")
+            log.error("roundpipe: %s", why)
+            self.mixed = why
 
     def master_versions(self) -> dict[str, int]:
         """Each master's version counter (in-place writes bump it), for

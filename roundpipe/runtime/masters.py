@@ -85,6 +85,33 @@ def owner_of(t: torch.Tensor) -> tuple[LandedGrads, str] | None:
     return None if landed is None else (landed, entry[1])
 
 
+# The disk tier without masters (optim_dtype=None, stochastic rounding): model parameter
+# -> (a weak reference to its pipe's LandedGrads, its name), so that a roundpipe.optim
+# optimizer over it finds the store its state lives in.  Apart from _OWNERS: these are
+# not masters (no landed gradients, no publish).
+_TIERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def tier_param(landed: LandedGrads, param: torch.Tensor, name: str) -> None:
+    """Mark a model parameter the optimizer updates in place as keeping its optimizer
+    state in ``landed``'s disk tier."""
+    _TIERED[param] = (weakref.ref(landed), name)
+
+
+def tier_owner_of(t: torch.Tensor) -> tuple[LandedGrads, str] | None:
+    """The landing state and name of a tensor whose optimizer state the pipe's disk
+    tier holds: a master (:func:`owner_of`), or a parameter marked by
+    :func:`tier_param`; None for any other tensor."""
+    owner = owner_of(t)
+    if owner is not None:
+        return owner
+    entry = _TIERED.get(t)
+    if entry is None:
+        return None
+    landed = entry[0]()
+    return None if landed is None else (landed, entry[1])
+
+
 class UnitSchedule:
     """The order in which a step updates a pipe's masters: unit by unit, as the next call
     uploads them.  ``units``: master names per unit (each once, forward order).  An

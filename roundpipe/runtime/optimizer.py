@@ -112,6 +112,10 @@ class OptimizerWorker:
                 # Make the masters what they were when the step started, so no
                 # half-applied update survives.
                 host.restore_masters(versions)
+            elif host.offload is not None:
+                # The disk tier without masters: the files stay at the last whole step;
+                # weights updated in place before the failure no longer match them.
+                host.fail_unmastered_step(e)
             raise
         finally:
             self._local.inside, self._local.version = False, None

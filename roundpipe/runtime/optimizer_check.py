@@ -84,10 +84,11 @@ class StepWatch:
         if any(held) and self.state.offload is not None and \
                 optimizer not in self.state.landed.optimizers:
             raise MisbuiltOptimizerError(
-                f"{name} steps the masters of a pipe with the disk tier (offload_dir), "
-                "where the masters and the optimizer state live in files and are read in "
-                "only for roundpipe.optim's optimizers, unit by unit; another optimizer "
-                "would find them not in memory and keep its state in host memory. Use "
+                f"{name} steps the masters (without masters: the parameters) of a pipe "
+                "with the disk tier (offload_dir), where the masters and the optimizer "
+                "state live in files and are read in only for roundpipe.optim's "
+                "optimizers, unit by unit; another optimizer would find them not in "
+                "memory and keep its state in host memory. Use "
                 f"roundpipe.optim.AdamW or roundpipe.optim.SGD over "
                 "pipe.optim_parameters(), or drop offload_dir")
         if any(held):
