@@ -947,6 +947,7 @@ class RoundPipe:
         # asynchronous step then predicts from its update.
         record = warm and self.predict_weights and self._steps == self.async_after - 1
         is_async = is_async and not warm
+        counters["lagging"] = bool(is_async and self._state.has_masters)
         groups = None
         if optimizer is not None and not is_async and \
                 self._overlap_blocker(optimizer, record, history=False) is None:
@@ -1078,6 +1079,13 @@ class RoundPipe:
         self._steps = int(saved.get("steps", 0))
         log.info("roundpipe: resumed the disk tier %s at its step %d (%d steps, %d calls)",
                  state.offload.directory, state.offload.step, self._steps, self._calls)
+        if saved.get("lagging"):
+            log.warning(
+                "roundpipe: the run in %s took its last step asynchronously, so its next "
+                "call would have used the weights of the step before; the resumed pipe "
+                "publishes the committed masters (as pipe.synchronize() does), so it does "
+                "not continue that run bit for bit from here (a checkpoint keeps the "
+                "lagging weights)", state.offload.directory)
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:

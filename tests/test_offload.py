@@ -661,8 +661,12 @@ def test_a_directory_of_another_model_or_optimizer_is_refused(tmp_path):
             (lambda p: roundpipe.optim.AdamW(p.optim_parameters(), lr=1e-2), "0.01"),
             (lambda p: _opt(p, "AdamW", torch.bfloat16), "bfloat16")]:
         with _resume(copy.deepcopy(model), path) as p:
-            with pytest.raises(OffloadMismatchError, match=match):
+            with pytest.raises(OffloadMismatchError, match=match) as refused:
                 make(p)
+            kept = refused.tb  # (a caller's traceback keeps the optimizer alive)
+            # the refused optimizer is not bound (a commit would record it)
+            assert kept is not None and not list(p._state.landed.optimizers)
+            assert not any(p._state.landed.bound(n) for n, _ in p.optim_named_parameters())
     with _resume(copy.deepcopy(model), path) as p:  # no optimizer took the state
         p.forward_backward(input_args=args, input_kwargs=kwargs, label=None, loss_fn=_loss)
         opt = torch.optim.SGD(p.optim_parameters(), lr=1e-2)
@@ -860,3 +864,27 @@ def test_the_host_step_estimate_gives_the_disk_time_of_the_moments(tmp_path, nam
         assert "disk tier: %d B/param" % expected in str(est)
     finally:
         pipe.close()
+
+
+def test_resuming_after_an_asynchronous_step_says_it_does_not_lag(tmp_path, caplog):
+    """After is_async=True steps the next call would use the weights one step behind;
+    the tier does not keep them, so the resumed pipe publishes the committed masters and
+    warns that it does not continue that run bit for bit; its masters are the run's."""
+    model, args, kwargs = _model()
+    for is_async in (False, True):
+        path = tmp_path / str(is_async)
+        pipe = RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=torch.float32,
+                         predict_weights=False, offload_dir=path)
+        opt = _opt(pipe, "AdamW", None)
+        for _ in range(2):
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                  loss_fn=_loss)
+            pipe.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+        pipe.synchronize()
+        masters = {n: m.clone() for n, m in pipe.state_dict().items()}
+        pipe.close()
+        caplog.clear()
+        with RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=torch.float32,
+                       predict_weights=False, offload_dir=path, offload_resume=True) as p:
+            _assert_equal([p.state_dict()], [masters])
+        assert ("asynchronously" in caplog.text) == is_async

@@ -107,9 +107,19 @@ class OnePass:
     def _resume_from_tier(self) -> None:
         """A pipe resumed from its disk tier (``offload_resume``) checks this optimizer
         against the run's and gives it the state the directory holds."""
-        for landed in self._landed_bindings():
-            if landed.resume is not None:
-                landed.resume(self)
+        try:
+            for landed in self._landed_bindings():
+                if landed.resume is not None:
+                    landed.resume(self)
+        except BaseException:
+            # refused: this optimizer is no longer bound (a later commit must not record
+            # it, nor its failed construction hold the pipe's masters)
+            for landed, _ in self._bindings + self.__dict__.get("_tiered", []):
+                landed.optimizers.discard(self)
+            _unbind(self._bindings)
+            self._bindings.clear()
+            self.__dict__.get("_tiered", []).clear()
+            raise
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):
