@@ -28,7 +28,7 @@ def test_a_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
     path = str(tmp_path / "ck.pt")
     crash.save_generation(path, WIDTH, 0)
     start = 1
-    for _ in range(5):
+    for _ in range(3):  # (bench/checkpoint_crash.py kills more)
         reported, on_disk, _ = crash.kill_during_saves(path, start, WIDTH, rng)
         # The last completed save, or the one whose rename landed just before the kill.
         assert on_disk in (reported, reported + 1), (reported, on_disk)

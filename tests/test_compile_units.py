@@ -44,29 +44,50 @@ def _close_to(a, b, rtol):
         assert torch.allclose(ga[name], gb[name], rtol=rtol, atol=1e-14), name
 
 
-@pytest.mark.parametrize("grain", ["stage", "layer"])
-def test_compiled_units_match_the_traced_programs(grain):
-    pipe, *traced = _run(2, False, grain=grain)
-    pipe.close()
-    pipe, *compiled = _run(2, "aot_eager", grain=grain)
+def _check_compiled(pipe):
+    """Every unit went through Dynamo, without a graph break."""
     units = pipe.plan.program.units
-    # every unit went through Dynamo without a graph break
     assert all(pipe._current.executor.runnable(u) is not u.module for u in units)
     assert counters["stats"]["unique_graphs"] >= len(units)
     assert not counters["graph_break"]
+
+
+def test_compiled_units_match_the_traced_programs_by_layer():
+    pipe, *traced = _run(2, False, grain="layer")
+    pipe.close()
+    pipe, *compiled = _run(2, "aot_eager", grain="layer")
+    _check_compiled(pipe)
     pipe.close()
     _close_to(compiled, traced, 1e-12)
 
 
-def test_compiled_units_are_identical_on_any_device_count():
+def test_compiled_units_match_the_traced_programs_and_any_device_count():
+    """By stage: compiled units on 1 and 3 devices are bitwise alike and match the traced
+    programs; on 3 devices, each torch device compiles its own copy of a unit (Dynamo
+    keeps compiled versions per code object and guards on the device: one copy shared by
+    many GPUs would pass its recompile limit; virtual CPU devices share one)."""
+    pipe, *traced = _run(2, False)
+    pipe.close()
     results = []
     for devices in (1, 3):
+        torch._dynamo.reset()
+        counters.clear()
         pipe, losses, grads = _run(devices, "aot_eager")
+        _check_compiled(pipe)
+        if devices == 3:
+            ex = pipe._current.executor
+            unit = pipe.plan.program.units[2]
+            on_cpu = ex.runnable(unit, torch.device("cpu"))
+            assert on_cpu is ex.runnable(unit) and on_cpu._orig_mod is unit.module
+            elsewhere = ex.runnable(unit, torch.device("meta"))  # stands for a second GPU
+            assert elsewhere is not on_cpu and elsewhere._orig_mod is not unit.module
+            assert elsewhere._orig_mod.code == unit.module.code
         pipe.close()
         results.append((losses, grads))
     (l1, g1), (l3, g3) = results
     assert all(torch.equal(a, b) for a, b in zip(l1, l3))
     assert all(torch.equal(g1[n], g3[n]) for n in g1)
+    _close_to(results[0], traced, 1e-12)
 
 
 def test_units_with_random_ops_compile_around_them_with_the_same_masks():
@@ -118,17 +139,3 @@ def test_inductor_units_match_the_traced_programs():
     assert pipe.compile_units == "inductor"
     pipe.close()
     _close_to(compiled, traced, 1e-10)
-
-
-def test_each_torch_device_compiles_its_own_copy_of_a_unit():
-    """Dynamo keeps compiled versions per code object and guards on the device: one copy
-    shared by many GPUs would pass its recompile limit.  Virtual CPU devices share one."""
-    pipe, _, _ = _run(3, "aot_eager", calls=1)
-    ex = pipe._current.executor
-    unit = pipe.plan.program.units[2]
-    on_cpu = ex.runnable(unit, torch.device("cpu"))
-    assert on_cpu is ex.runnable(unit) and on_cpu._orig_mod is unit.module
-    elsewhere = ex.runnable(unit, torch.device("meta"))  # stands for a second GPU
-    assert elsewhere is not on_cpu and elsewhere._orig_mod is not unit.module
-    assert elsewhere._orig_mod.code == unit.module.code
-    pipe.close()

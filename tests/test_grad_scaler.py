@@ -58,15 +58,25 @@ def _loop_forward_backward(make_scaler: Callable[[RoundPipe], roundpipe.GradScal
         return losses + [p.detach().clone() for p in pipe.optim_parameters()]
 
 
-@pytest.mark.parametrize("loop", [_loop_forward, _loop_forward_backward])
-def test_torch_amp_style_scaler_equals_the_pipe_first_one(loop) -> None:
+@pytest.mark.parametrize("loop, spelling", [
+    (_loop_forward, lambda: roundpipe.GradScaler(8192.0)),
+    (_loop_forward_backward, lambda: roundpipe.GradScaler("cuda", init_scale=8192.0))],
+    ids=["forward-scale_first", "forward_backward-device_first"])
+def test_torch_amp_style_scaler_equals_the_pipe_first_one(loop, spelling) -> None:
+    """A scaler made without the pipe binds to it in loss_fn and steps alike, bitwise."""
     bound = loop(lambda pipe: roundpipe.GradScaler(pipe, 8192.0))
-    for make in (lambda pipe: roundpipe.GradScaler(8192.0),
-                 lambda pipe: roundpipe.GradScaler("cuda", init_scale=8192.0),
-                 lambda pipe: roundpipe.GradScaler(init_scale=8192.0)):
-        lazy = loop(make)
-        assert all(torch.equal(a, b) for a, b in zip(lazy, bound))
+    lazy = loop(lambda pipe: spelling())
+    assert all(torch.equal(a, b) for a, b in zip(lazy, bound))
     assert all(torch.isfinite(x).all() for x in bound)
+
+
+def test_torch_amp_spellings_make_the_same_unbound_scaler() -> None:
+    made = [roundpipe.GradScaler(8192.0), roundpipe.GradScaler("cuda", init_scale=8192.0),
+            roundpipe.GradScaler(init_scale=8192.0), roundpipe.GradScaler(device="cuda",
+                                                                           init_scale=8192.0)]
+    fields = [(s.get_scale(), s.growth_factor, s.backoff_factor, s.growth_interval,
+               s.enabled, s._pipe) for s in made]
+    assert fields == [(8192.0, 2.0, 0.5, 2000, True, None)] * len(made)
 
 
 def test_a_wrong_first_argument_is_a_clear_error() -> None:

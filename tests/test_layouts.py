@@ -8,7 +8,7 @@
   under ``no_grad``).
 
 Each model runs on 1, 2, 3 and 4 virtual devices with the default ``num_stages`` (so the
-boundaries move), for ``forward_backward`` and for ``pipe(x)`` + ``backward()``, both
+boundaries move) for ``forward_backward``, on 1 and 3 for ``pipe(x)`` + ``backward()``, both
 recompute grains: losses, outputs and gradients must be ``torch.equal``, and equal eager
 in float64.
 """
@@ -161,7 +161,9 @@ def test_bitwise_across_device_counts(name: str, grain: str, api: str) -> None:
     model, x = _case(name)
     y = torch.randn(model(x).shape, dtype=torch.double)
     base = _run(model, x, y, 1, grain, api)
-    for devices in (2, 3, 4):
+    # pipe(x) shares the stages and transfers of forward_backward: 3 devices move its
+    # boundaries enough (tracing each pipe is most of this file's time)
+    for devices in (2, 3, 4) if api == "forward_backward" else (3,):
         loss, out, grads = _run(model, x, y, devices, grain, api)
         assert torch.equal(loss, base[0]), (devices, loss, base[0])
         assert torch.equal(out, base[1]), devices
