@@ -451,8 +451,11 @@ def _python(code: str, tmp_path, optimizer: str = "torch.optim.AdamW") -> None:
     script = tmp_path / "train.py"
     script.write_text(_TRAIN.format(tests=os.path.dirname(__file__), optimizer=optimizer)
                       + code)
+    # this checkout's roundpipe, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=240, cwd=ROOT)
+                            timeout=240, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
