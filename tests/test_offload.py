@@ -901,3 +901,38 @@ def test_resuming_after_an_asynchronous_step_says_it_does_not_lag(tmp_path, capl
                        predict_weights=False, offload_dir=path, offload_resume=True) as p:
             _assert_equal([p.state_dict()], [masters])
         assert ("asynchronously" in caplog.text) == is_async
+
+
+def test_stochastic_rounding_failing_at_the_commit_refuses_until_loaded(tmp_path):
+    """Without masters the weights are updated in place; a step whose every unit was
+    updated but whose commit fails leaves the files at the step before it beside the new
+    weights, so calls refuse until a checkpoint is loaded (the step's unit schedule was
+    cleared before the commit, so the failure read as one before any update)."""
+    model, args, kwargs = _model()
+    pipe, opt = _sr_train(copy.deepcopy(model), args, kwargs, 1, "AdamW", steps=1,
+                          offload_dir=tmp_path / "t")
+    save_checkpoint(tmp_path / "ck.pt", pipe, opt)
+    store = pipe._state.offload
+
+    def fault(what, arg):
+        if what == "commit":
+            raise OSError(5, "injected: Input/output error")
+    try:
+        weights = [p.detach().clone() for p in pipe.optim_parameters()]
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+        store.fault = fault
+        with pytest.raises(StepError, match="injected"):
+            pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        store.fault = None
+        assert read_committed(tmp_path / "t")[0] == 1
+        assert not any(torch.equal(w, p) for w, p in zip(weights, pipe.optim_parameters()))
+        with pytest.raises(StepError, match="load_checkpoint"):
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                  loss_fn=_loss)
+        load_checkpoint(tmp_path / "ck.pt", pipe, opt)
+        assert all(torch.equal(w, p) for w, p in zip(weights, pipe.optim_parameters()))
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+    finally:
+        pipe.close()

@@ -399,7 +399,6 @@ class ModelState:
             self.counters = self.step_counters.pop(version)
             for v in [v for v in self.step_counters if v < version]:
                 del self.step_counters[v]  # steps that failed
-        self.landed.unit_schedule = None
         window, self._window = self._window, None
         if window is not None:
             window.finish()
@@ -408,6 +407,8 @@ class ModelState:
         wait(store.write_back(staged))
         store.evict(staged)
         store.commit()
+        # (only now: until the commit, a failure must see that units were updated)
+        self.landed.unit_schedule = None
 
     def absorb_optimizer_state(self, optimizers: Iterable[object] | None = None) -> None:
         """Put every state tensor the bound optimizers keep for this pipe's masters into
