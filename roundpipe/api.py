@@ -1099,7 +1099,8 @@ class RoundPipe:
         inside go to the slots the manifest does not name, and the manifest is replaced
         once, at the end: a crash anywhere inside leaves the files at the state from
         before, never the loaded masters beside the old moments.  An error inside rolls
-        the files back; if the load had written into them, every call and step then
+        the files back; if the load had written into them or into the model's weights,
+        every call and step then
         refuses until state is loaded again.  Without the tier it only waits for the
         steps in flight."""
         self._optimizer.wait()

@@ -936,3 +936,50 @@ def test_stochastic_rounding_failing_at_the_commit_refuses_until_loaded(tmp_path
                               loss_fn=_loss)
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("masters", [True, False])
+def test_a_load_failing_before_its_first_write_still_refuses_until_loaded(tmp_path,
+                                                                          masters):
+    """load_checkpoint sets the model's weights before it writes anything into the tier;
+    an I/O error at the tier's first write (the first master's, or without masters the
+    first moment's) leaves the files at the step before the load beside the
+    checkpoint's weights: calls refuse until a load succeeds (the failed load was taken
+    for one that changed nothing: the files' byte counter had not moved)."""
+    model, args, kwargs = _model()
+    if masters:
+        ckpt = _checkpoint(tmp_path, sharded=False)
+        pipe, opt = _train(model, args, kwargs, 1, "AdamW", None,
+                           offload_dir=tmp_path / "t", steps=1)
+    else:
+        ref, ref_opt = _sr_train(copy.deepcopy(model), args, kwargs, 1, "AdamW", steps=2)
+        ckpt = tmp_path / "ck.pt"
+        save_checkpoint(ckpt, ref, ref_opt)
+        ref.close()
+        pipe, opt = _sr_train(model, args, kwargs, 1, "AdamW", steps=1,
+                              offload_dir=tmp_path / "t")
+    store = pipe._state.offload
+
+    def fault(what, arg):
+        if what == "write":
+            raise OSError(5, "injected: Input/output error")
+    try:
+        pipe.synchronize()
+        weights = {n: p.detach().clone() for n, p in pipe.model.named_parameters()}
+        before = read_committed(tmp_path / "t")
+        store.fault = fault
+        with pytest.raises(OSError, match="injected"):
+            load_checkpoint(ckpt, pipe, opt)
+        store.fault = None
+        after = read_committed(tmp_path / "t")
+        assert after[0] == before[0] == 1
+        assert all(torch.equal(after[1][k], v) for k, v in before[1].items())
+        assert not any(torch.equal(weights[n], p) for n, p in pipe.model.named_parameters())
+        with pytest.raises(StepError, match="load_checkpoint"):
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                  loss_fn=_loss)
+        load_checkpoint(ckpt, pipe, opt)
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                              loss_fn=_loss)
+    finally:
+        pipe.close()

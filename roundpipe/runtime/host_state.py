@@ -172,6 +172,9 @@ class ModelState:
         self.offload: OffloadStore | None = None
         self._window: OffloadWindow | None = None  # the disk tier's step in progress
         self._held_written = 0  # bytes the files had taken when a held load began
+        # and the version counters of the model's parameters and buffers then (a load
+        # that failed before writing into the files may have changed them)
+        self._held_versions: dict[str, int] = {}
         # What the manifest records of the pipe (dropout streams, step count): set by
         # the pipe for each step as it is enqueued (by fence version) and at loads.
         self.counters: dict[str, object] = {}
@@ -614,12 +617,14 @@ class ModelState:
         leaves the files at the state before the load, never a mix."""
         if self.offload is not None:
             self._held_written = self.offload.bytes_written
+            self._held_versions = self._model_versions()
             self.offload.hold()
 
     def release_commits(self, ok: bool) -> None:
         """End :meth:`hold_commits`: ``ok``, the load is committed in one manifest
         switch; else (or if that commit fails) the files keep the state from before it
-        and, once the load wrote into them, every call and step refuses until state
+        and, once the load wrote into them or into the model's parameters and buffers
+        (their version counters moved), every call and step refuses until state
         is loaded again (the weights in memory may be the loaded ones)."""
         store = self.offload
         if store is None:
@@ -633,12 +638,17 @@ class ModelState:
             self._fail_load(e)
             raise
 
+    def _model_versions(self) -> dict[str, int]:
+        return {n: t._version for n, t in self.model.state_dict(keep_vars=True).items()
+                if isinstance(t, torch.Tensor)}
+
     def _fail_load(self, error: BaseException | None) -> None:
         store = self.offload
         assert store is not None
         store.release_without_commit()
         self.offload_rollback()
-        if store.bytes_written != self._held_written:
+        if (store.bytes_written != self._held_written
+                or self._model_versions() != self._held_versions):
             why = ("loading state into a pipe with the disk tier (offload_dir) failed "
                    "part-way" + (f" ({type(error).__name__}: {error})" if error else "")
                    + ": its files keep the state from before the load, but the weights "
