@@ -1290,7 +1290,8 @@ class RoundPipe:
                 sum(p.numel() for p in trainable), devices,
                 disk_masters=store.disk_bytes("master/") if store is not None else 0,
                 disk_optimizer_state=(store.disk_bytes("state/") if store is not None
-                                      else 0))
+                                      else 0),
+                staging=store.staging.buffers() if store is not None else ())
 
         # Not under the call lock: a step_fn may call this while the caller waits for it.
         return self._optimizer.run(collect)

@@ -21,7 +21,7 @@ from ..errors import ConfigError
 
 #: Categories in the order they claim shared storages.
 CATEGORIES = ("weights", "masters", "prediction", "gradients", "optimizer_state", "landing",
-              "constants")
+              "constants", "staging")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,10 @@ class HostMemory:
             (two slots per master: the committed step and the one being written); the
             masters then take no host memory between steps.
         disk_optimizer_state: the same for the optimizer's state (moments).
+        staging: with the disk tier, the staging buffers it keeps for reuse between
+            steps (``runtime/offload.py``'s ``StagingPool``: at most the peak of its
+            window, a few units of masters and state); during a step the buffers in use
+            count as the masters and state staged in them.
     """
 
     weights: int
@@ -71,6 +75,7 @@ class HostMemory:
     devices: tuple[DeviceCopies, ...] = ()
     disk_masters: int = 0
     disk_optimizer_state: int = 0
+    staging: int = 0
 
     @property
     def disk_total(self) -> int:
@@ -154,12 +159,13 @@ def host_memory(weights: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]
                 optimizer: torch.optim.Optimizer | None,
                 landing: Sequence[torch.Tensor], constants: Sequence[torch.Tensor],
                 trainable_params: int, devices: Sequence[DeviceCopies] = (),
-                disk_masters: int = 0, disk_optimizer_state: int = 0) -> HostMemory:
+                disk_masters: int = 0, disk_optimizer_state: int = 0,
+                staging: Sequence[torch.Tensor] = ()) -> HostMemory:
     sizes, pinned = count_storages({
         "weights": weights, "masters": masters, "prediction": prediction,
         "gradients": [g for g in gradients if g is not None],
         "optimizer_state": optimizer_tensors(optimizer),
-        "landing": landing, "constants": constants})
+        "landing": landing, "constants": constants, "staging": staging})
     return HostMemory(**sizes, pinned=pinned, trainable_params=trainable_params,
                       devices=tuple(devices), disk_masters=disk_masters,
                       disk_optimizer_state=disk_optimizer_state)

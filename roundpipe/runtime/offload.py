@@ -2,10 +2,12 @@
 files, staged into host memory only while a step updates them.
 
 Every offloaded tensor keeps its Python object (the optimizer keys its state by the
-master, ``opt.state`` holds the moments), and its storage is freed while it is not staged
-(``untyped_storage().resize_(0)``); staging resizes the storage back and reads the bytes
-from the file.  Tensors of a few bytes (AdamW's step counts) stay resident; their values
-travel inline in the manifest.
+master, ``opt.state`` holds the moments); while it is not staged its storage holds no
+bytes.  Staging points the tensor (``tensor.set_``) at a page-aligned buffer of the
+store's :class:`StagingPool`, reused from unit to unit and step to step, and reads the
+bytes from the file straight into it; eviction points it back at an empty storage of its
+own and hands the buffer back.  Tensors of a few bytes (AdamW's step counts) stay
+resident; their values travel inline in the manifest.
 
 Layout of ``PATH``::
 
@@ -21,8 +23,9 @@ slots it names untouched: step ``k`` stays readable until step ``k + 1`` is whol
 that raises is rolled back (:meth:`OffloadStore.rollback`): each tensor points at the
 slot it was in when the step began, the staged copies are dropped.
 
-I/O: ``os.preadv``/``os.pwrite`` straight into and out of the staged tensors' memory, in
-chunks spread over a few threads (they release the GIL).  See docs/architecture.md for
+I/O: ``os.preadv``/``os.pwrite`` with ``O_DIRECT`` straight into and out of the staged
+tensors' (pooled, aligned) memory, in chunks spread over a few threads (they release the
+GIL).  See docs/architecture.md for
 what the alternatives measured.
 """
 
@@ -59,6 +62,8 @@ CHUNK_BYTES = 8 << 20
 #: tensors at most this big stay in host memory (step counts), inline in the manifest
 RESIDENT_BYTES = 64
 IO_THREADS = 4
+#: units the window reads ahead of the one being updated
+READ_AHEAD = 1
 
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
@@ -81,10 +86,14 @@ class OffloadStats:
     Attributes:
         directory: where the files are (``data.bin``, ``manifest.json``).
         step: steps committed (the manifest's step number).
-        staged_bytes: bytes of masters and state in host memory now (0 between steps).
-        peak_staged_bytes: the most staged at once since the pipe was made.
+        staged_bytes: bytes of host memory the tier holds for masters and state now:
+            the buffers staged tensors live in, and those its :class:`StagingPool` keeps
+            for reuse (between steps only those: at most the window's peak).
+        peak_staged_bytes: the most at once since the pipe was made.
         bytes_read: bytes read from the files since the pipe was made.
         bytes_written: bytes written to them since the pipe was made.
+        pooled_bytes: of ``staged_bytes``, the buffers kept for reuse (no tensor in
+            them).
     """
 
     directory: str
@@ -93,6 +102,7 @@ class OffloadStats:
     peak_staged_bytes: int
     bytes_read: int
     bytes_written: int
+    pooled_bytes: int = 0
 
 
 @dataclass
@@ -106,6 +116,8 @@ class _Entry:
     current: int | str
     committed: int | None = None  # the slot the committed manifest names
     staged: bool = False
+    #: the pool buffer the staged tensor lives in (None: staged in its own storage)
+    buffer: torch.Tensor | None = None
 
 
 def _buffer(t: torch.Tensor, start: int, n: int) -> ctypes.Array:
@@ -129,13 +141,34 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _room(t: torch.Tensor, start: int) -> int:
+    """Bytes of ``t``'s storage from byte ``start`` of ``t`` on."""
+    return t.untyped_storage().nbytes() - t.storage_offset() * t.element_size() - start
+
+
+def _aligned(t: torch.Tensor, start: int, n: int) -> bool:
+    """Whether bytes ``start:start+n`` of ``t`` can be read or written with O_DIRECT in
+    place: they start on a 4 KiB boundary and the storage has room for the padded
+    length (a pooled buffer)."""
+    return (t.data_ptr() + start) % ALIGN == 0 and _room(t, start) >= _padded(n)
+
+
 def _read_exact(fd: int, t: torch.Tensor, start: int, n: int, offset: int,
                 direct: bool = False) -> None:
     """Read bytes ``start:start+n`` of ``t`` from ``offset``.  ``direct``: ``fd`` is
-    O_DIRECT: read whole 4 KiB blocks into the thread's aligned buffer, then copy."""
+    O_DIRECT: whole 4 KiB blocks, straight into ``t`` where it is aligned with room for
+    them (a pooled buffer), else into the thread's aligned buffer and copied."""
     if direct:
-        m, view = _bounce()
-        padded = -(-n // ALIGN) * ALIGN
+        inplace = _aligned(t, start, n)
+        if inplace:
+            m, view = _buffer(t, start, _padded(n)), None
+        else:
+            m, view = _bounce()
+        padded = _padded(n)
         got = 0
         while got < n:
             k = os.preadv(fd, [memoryview(m)[got:padded]], offset + got)
@@ -143,7 +176,8 @@ def _read_exact(fd: int, t: torch.Tensor, start: int, n: int, offset: int,
                 raise OffloadError(f"the offload file ended at byte {offset + got} while "
                                    f"reading {n} bytes at {offset}: it was truncated")
             got += k
-        _bytes(t)[start:start + n].copy_(view[:n])
+        if view is not None:
+            _bytes(t)[start:start + n].copy_(view[:n])
         return
     done = 0
     while done < n:
@@ -156,10 +190,13 @@ def _read_exact(fd: int, t: torch.Tensor, start: int, n: int, offset: int,
 
 def _write_exact(fd: int, t: torch.Tensor, start: int, n: int, offset: int,
                  direct: bool = False) -> None:
-    if direct:  # whole 4 KiB blocks from the aligned buffer (the region has room)
-        m, view = _bounce()
-        view[:n].copy_(_bytes(t)[start:start + n])
-        padded = -(-n // ALIGN) * ALIGN
+    if direct:  # whole 4 KiB blocks (the region has room), in place where aligned
+        padded = _padded(n)
+        if _aligned(t, start, n):
+            m = _buffer(t, start, padded)
+        else:
+            m, view = _bounce()
+            view[:n].copy_(_bytes(t)[start:start + n])
         done = 0
         while done < padded:
             done += os.pwrite(fd, memoryview(m)[done:padded], offset + done)
@@ -167,6 +204,75 @@ def _write_exact(fd: int, t: torch.Tensor, start: int, n: int, offset: int,
     done = 0
     while done < n:
         done += os.pwrite(fd, _buffer(t, start + done, n - done), offset + done)
+
+
+class StagingPool:
+    """Reusable host buffers that staged masters and state live in.
+
+    Allocating a staged tensor's memory afresh costs a page fault per 4 KiB page (the
+    kernel zeroes it) and freeing it an ``munmap`` of every touched page: on the 2-core
+    VM of docs/benchmarks.md about as much CPU as the update itself.  The pool keeps each
+    buffer once made, page-aligned and pre-faulted (``MAP_POPULATE``), its length padded
+    to 4 KiB as the file's regions are, so ``O_DIRECT`` reads and writes go straight to
+    and from it with no bounce copy.  Buffers are matched by padded length (a model's
+    units repeat their shapes).
+
+    The pool **is** staged memory: :attr:`nbytes` (buffers in use plus those kept for the
+    next unit or step) is what ``OffloadStats.staged_bytes`` reports, and the kept ones
+    are host memory (``HostMemory.staging``) between steps.  It never holds more than the
+    most it had in use at once (the window's peak): a buffer of a length it does not
+    keep first frees kept ones until that high-water mark holds.  :meth:`clear` frees
+    the kept buffers."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.in_use = 0      # bytes of buffers staged tensors live in
+        self.kept = 0        # bytes of buffers kept for reuse
+        self.high_water = 0  # the most in use at once
+
+    @property
+    def nbytes(self) -> int:
+        return self.in_use + self.kept
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes`` (padded to 4 KiB), page-aligned."""
+        size = _padded(max(nbytes, 1))
+        with self._lock:
+            self.in_use += size
+            free = self._free.get(size)
+            if free:
+                self.kept -= size
+                return free.pop()
+            self.high_water = max(self.high_water, self.in_use)
+            for length in sorted(self._free, reverse=True):  # largest first
+                kept = self._free[length]
+                while kept and self.in_use + self.kept > self.high_water:
+                    kept.pop()
+                    self.kept -= length
+                if not kept:
+                    del self._free[length]
+        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                      | getattr(mmap, "MAP_POPULATE", 0))
+        # the tensor's storage keeps the mapping alive; it is unmapped with the storage
+        return torch.frombuffer(m, dtype=torch.uint8)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        size = buffer.numel()
+        with self._lock:
+            self.in_use -= size
+            self._free.setdefault(size, []).append(buffer)
+            self.kept += size
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers kept for reuse (for host-memory accounting)."""
+        with self._lock:
+            return [b for kept in self._free.values() for b in kept]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.kept = 0
 
 
 class OffloadStore:
@@ -241,6 +347,8 @@ class OffloadStore:
         self._begun: dict[str, int | str] | None = None
         self._resident_at_begin: dict[str, bytes] = {}
         self._committed_resident: dict[str, bytes] = {}
+        self.staging = StagingPool()
+        self._unpooled = 0  # staged bytes in tensors' own storages (while registering)
         self.staged_bytes = 0
         self.peak_staged_bytes = 0
         self.bytes_read = 0
@@ -316,7 +424,8 @@ class OffloadStore:
             entry = _Entry(key, tensor, nbytes, offsets, "zeros", committed=committed,
                            staged=True)
             self._entries[key] = entry
-            self._count_staged(nbytes)
+            self._unpooled += nbytes
+            self._count_staged()
         if zeros:
             self._evict(entry)
             return
@@ -342,7 +451,7 @@ class OffloadStore:
             for key in keys:
                 entry = self._entries.pop(key, None)
                 if entry is not None and entry.staged:
-                    self._count_staged(-entry.nbytes)
+                    self._unstage(entry)
                 self._ungroup(key)
 
     def adopt(self, key: str, tensor: torch.Tensor, *, group: str) -> bool:
@@ -385,8 +494,8 @@ class OffloadStore:
                 return
 
     # --- staging ----------------------------------------------------------------------
-    def _count_staged(self, delta: int) -> None:
-        self.staged_bytes += delta
+    def _count_staged(self) -> None:
+        self.staged_bytes = self.staging.nbytes + self._unpooled
         self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
 
     def _entries_of(self, keys: Iterable[str]) -> list[_Entry]:
@@ -402,11 +511,14 @@ class OffloadStore:
                 continue
             if self.fault is not None:
                 self.fault("read", entry.key)
-            storage = entry.tensor.untyped_storage()
-            storage.resize_(entry.nbytes)
+            buffer = self.staging.take(entry.nbytes)
+            t = entry.tensor
+            with torch.no_grad():  # the same tensor object, now in the pooled buffer
+                t.set_(buffer.untyped_storage(), 0, t.shape, t.stride())
             with self._lock:
                 entry.staged = True
-                self._count_staged(entry.nbytes)
+                entry.buffer = buffer
+                self._count_staged()
             if entry.current == "zeros":
                 with torch.no_grad():
                     entry.tensor.zero_()
@@ -415,7 +527,7 @@ class OffloadStore:
             self.bytes_read += entry.nbytes
             for start in range(0, entry.nbytes, CHUNK_BYTES):
                 n = min(CHUNK_BYTES, entry.nbytes - start)
-                futures.append(self._pool.submit(_read_exact, self._fd, entry.tensor,
+                futures.append(self._pool.submit(_read_exact, self._fd, buffer,
                                                  start, n, offset + start, self._direct))
         return futures
 
@@ -432,7 +544,8 @@ class OffloadStore:
             self.fault("write", entry.key)
         slot = 0 if entry.committed is None else 1 - entry.committed
         offset = entry.offsets[slot]
-        futures = [self._write_pool.submit(_write_exact, self._fd, entry.tensor, start,
+        source = entry.tensor if entry.buffer is None else entry.buffer
+        futures = [self._write_pool.submit(_write_exact, self._fd, source, start,
                                      min(CHUNK_BYTES, entry.nbytes - start), offset + start,
                                      self._direct)
                    for start in range(0, entry.nbytes, CHUNK_BYTES)]
@@ -449,9 +562,26 @@ class OffloadStore:
         with self._lock:
             if not entry.staged:
                 return
-            entry.staged = False
-            self._count_staged(-entry.nbytes)
-        entry.tensor.untyped_storage().resize_(0)
+            self._unstage(entry)
+
+    def _unstage(self, entry: _Entry) -> None:
+        """Free ``entry``'s memory: a pooled buffer goes back to the pool, the tensor
+        gets an empty storage of its own (its shape kept); an own storage is resized
+        to nothing."""
+        entry.staged = False
+        t, buffer, entry.buffer = entry.tensor, entry.buffer, None
+        if buffer is None:
+            self._unpooled -= entry.nbytes
+            t.untyped_storage().resize_(0)
+        else:
+            # set_ checks the storage holds the shape: allocate it (untouched pages,
+            # nothing faulted) and free it once the tensor points at it
+            own = torch.UntypedStorage(entry.nbytes)
+            with torch.no_grad():
+                t.set_(own, 0, t.shape, t.stride())
+            own.resize_(0)
+            self.staging.give(buffer)
+        self._count_staged()
 
     def read(self, key: str) -> torch.Tensor:
         """A new tensor with ``key``'s value (staged or not), read once from the file."""
@@ -578,7 +708,8 @@ class OffloadStore:
     def stats(self) -> OffloadStats:
         with self._lock:
             return OffloadStats(self.directory, self.step, self.staged_bytes,
-                                self.peak_staged_bytes, self.bytes_read, self.bytes_written)
+                                self.peak_staged_bytes, self.bytes_read, self.bytes_written,
+                                self.staging.kept)
 
     def disk_bytes(self, prefix: str) -> int:
         """Bytes of file regions (both slots) of the keys starting with ``prefix``."""
@@ -592,6 +723,7 @@ class OffloadStore:
         self.closed = True
         self._pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
+        self.staging.clear()
         with contextlib.suppress(OSError):
             os.close(self._fd)
 
@@ -705,8 +837,10 @@ class OffloadWindow:
     unit ``k + 1``'s read starts; after it, its write-back starts, and unit ``k - 2``'s
     write-back is waited for and its memory freed.  At most three units are staged."""
 
-    def __init__(self, store: OffloadStore, units: Sequence[tuple[str, ...]]) -> None:
+    def __init__(self, store: OffloadStore, units: Sequence[tuple[str, ...]],
+                 ahead: int = READ_AHEAD) -> None:
         self.store = store
+        self.ahead = ahead
         self.units = [tuple(u) for u in units]
         self._reads: dict[int, list[Future]] = {}
         self._writes: dict[int, list[Future]] = {}
@@ -726,7 +860,8 @@ class OffloadWindow:
         self._start_read(k)
         wait(self._reads.pop(k, []))
         self._ready.add(k)
-        self._start_read(k + 1)
+        for j in range(k + 1, k + 1 + self.ahead):
+            self._start_read(j)
 
     def after_unit(self, k: int) -> None:
         self._writes[k] = self.store.write_back(self._keys(k))
