@@ -19,7 +19,7 @@ import roundpipe.optim
 from roundpipe import (ConfigError, OptimizerError, RoundPipe, RoundPipeRunConfig,
                        StepError, load_checkpoint, save_checkpoint)
 from roundpipe import OffloadError
-from roundpipe.runtime.offload import ALIGN, RESIDENT_BYTES, read_committed
+from roundpipe.runtime.offload import ALIGN, READ_AHEAD, RESIDENT_BYTES, read_committed
 
 STEPS = 3
 
@@ -94,7 +94,7 @@ def test_steps_with_the_disk_tier_equal_the_run_in_memory_bitwise(
         tmp_path, name, state_dtype, devices, by_unit):
     """Three steps (a step_fn, or pipe.step(opt) which publishes unit by unit): weights,
     masters and optimizer state equal the run in memory bit for bit, the files hold
-    them, and at most three units were staged at once."""
+    them, and at most four units (the window's read-ahead) were staged at once."""
     model, args, kwargs = _model()
     ref_pipe, ref_opt = _train(copy.deepcopy(model), args, kwargs, devices, name,
                                state_dtype, by_unit=by_unit)
@@ -112,8 +112,10 @@ def test_steps_with_the_disk_tier_equal_the_run_in_memory_bitwise(
                     if store.tensor(k).numel() * store.tensor(k).element_size()
                     > RESIDENT_BYTES) for u in units]
         assert len(units) >= 4
-        window = max(sum(size[max(0, k - 1):k + 2]) for k in range(len(size)))
-        assert 0 < store.peak_staged_bytes <= window < sum(size)
+        window = max(sum(size[max(0, k - 1):k + 2 + READ_AHEAD - 1])
+                     for k in range(len(size)))
+        # (tests/test_offload_staging.py checks the window on a model with more units)
+        assert 0 < store.peak_staged_bytes <= window <= sum(size)
         _assert_equal(_snapshot(pipe, opt), _snapshot(ref_pipe, ref_opt))
         # Between steps neither masters nor moments are in memory.
         assert all(m.untyped_storage().nbytes() == 0 for m in pipe.optim_parameters()

@@ -176,3 +176,38 @@ def test_a_failed_step_hands_every_buffer_back(tmp_path):
         pipe.close()
         ref_pipe.close()
     assert os.path.exists(tmp_path / "t" / "manifest.json")
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_window_stages_its_read_ahead_and_no_more(tmp_path, monkeypatch, ahead):
+    """Eight units, pipe.step(opt): with ``ahead`` units read ahead, at most ``ahead +
+    2`` consecutive units are staged at once (the one updated, the one writing back, the
+    ones read ahead), and more than ``ahead + 1`` were (the read-ahead happened); the
+    steps equal the run in memory bit for bit."""
+    import torch.nn as nn
+    monkeypatch.setattr(offload, "READ_AHEAD", ahead)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(24, 24) for _ in range(8)]).to(torch.bfloat16)
+    args = (torch.randn(8, 24).to(torch.bfloat16),)
+    ref_pipe, ref_opt = _train(copy.deepcopy(model), args, {}, 1, "AdamW", None, steps=2,
+                               by_unit=True)
+    pipe, opt = _train(model, args, {}, 1, "AdamW", None, offload_dir=tmp_path / "t",
+                       steps=2, by_unit=True)
+    try:
+        _assert_equal(_snapshot(pipe, opt), _snapshot(ref_pipe, ref_opt))
+        store = pipe._state.offload
+        units = [u for u in pipe._state.publish_groups
+                 if any(n in pipe._state.masters() for n in u)]
+        assert len(units) == 8
+        size = [sum(store.staging.buffer_length(store.tensor(k).numel()
+                                                * store.tensor(k).element_size())
+                    for k in store.group_keys(u)
+                    if store.tensor(k).numel() * store.tensor(k).element_size()
+                    > offload.RESIDENT_BYTES) for u in units]
+
+        def window(n):
+            return max(sum(size[k:k + n]) for k in range(len(size)))
+        assert window(ahead + 1) < store.peak_staged_bytes <= window(ahead + 2)
+    finally:
+        pipe.close()
+        ref_pipe.close()

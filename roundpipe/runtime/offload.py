@@ -62,8 +62,10 @@ CHUNK_BYTES = 8 << 20
 #: tensors at most this big stay in host memory (step counts), inline in the manifest
 RESIDENT_BYTES = 64
 IO_THREADS = 4
-#: units the window reads ahead of the one being updated
-READ_AHEAD = 1
+#: units the window reads ahead of the one being updated: two keep a read queued while
+#: the next unit's wait ends (measured: 15.3/14.5 against 16.5/17.2 s per B params with
+#: one, docs/benchmarks.md), for one unit more in memory
+READ_AHEAD = 2
 
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
@@ -235,9 +237,14 @@ class StagingPool:
     def nbytes(self) -> int:
         return self.in_use + self.kept
 
+    @staticmethod
+    def buffer_length(nbytes: int) -> int:
+        """The length of the buffer a tensor of ``nbytes`` is staged in."""
+        return _padded(max(nbytes, 1))
+
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes`` (padded to 4 KiB), page-aligned."""
-        size = _padded(max(nbytes, 1))
+        size = self.buffer_length(nbytes)
         with self._lock:
             self.in_use += size
             free = self._free.get(size)
@@ -833,14 +840,15 @@ class OffloadWindow:
     """The disk tier's side of a step that updates the masters unit by unit (the
     callbacks of the :class:`~roundpipe.runtime.masters.UnitSchedule` the pipe sets on
     its ``LandedGrads`` for the step): before unit
-    ``k`` its masters and state are staged (read ahead while unit ``k - 1`` updated) and
-    unit ``k + 1``'s read starts; after it, its write-back starts, and unit ``k - 2``'s
-    write-back is waited for and its memory freed.  At most three units are staged."""
+    ``k`` its masters and state are staged (read ahead while earlier units updated) and
+    the reads of units up to ``k + ahead`` start; after it, its write-back starts, and
+    unit ``k - 2``'s write-back is waited for and its memory freed.  At most
+    ``ahead + 2`` units are staged (four by default)."""
 
     def __init__(self, store: OffloadStore, units: Sequence[tuple[str, ...]],
-                 ahead: int = READ_AHEAD) -> None:
+                 ahead: int | None = None) -> None:
         self.store = store
-        self.ahead = ahead
+        self.ahead = READ_AHEAD if ahead is None else ahead
         self.units = [tuple(u) for u in units]
         self._reads: dict[int, list[Future]] = {}
         self._writes: dict[int, list[Future]] = {}
