@@ -406,6 +406,8 @@ class OffloadStore:
             old = self._entries.get(key)
             if old is None:
                 self._groups.setdefault(group, []).append(key)
+            elif old.staged and old.tensor is not tensor:
+                self._unstage(old)  # a replaced tensor: its buffer back to the pool
             if nbytes <= RESIDENT_BYTES:
                 if zeros:
                     with torch.no_grad():
@@ -511,32 +513,46 @@ class OffloadStore:
                     and e.current != "resident"]
 
     def stage(self, keys: Iterable[str]) -> list[Future]:
-        """Start reading ``keys`` into memory; wait for the futures before using them."""
+        """Start reading ``keys`` into memory; wait for the futures before using them.
+        If it raises part-way, the reads it started have ended (the caller evicts the
+        keys: their buffers go back to the pool and must not be written into later)."""
         futures: list[Future] = []
-        for entry in self._entries_of(keys):
-            if entry.staged:
-                continue
-            if self.fault is not None:
-                self.fault("read", entry.key)
-            buffer = self.staging.take(entry.nbytes)
-            t = entry.tensor
+        try:
+            for entry in self._entries_of(keys):
+                if not entry.staged:
+                    futures.extend(self._stage_one(entry))
+        except BaseException:
+            for f in futures:
+                with contextlib.suppress(BaseException):
+                    f.result()
+            raise
+        return futures
+
+    def _stage_one(self, entry: _Entry) -> list[Future]:
+        if self.fault is not None:
+            self.fault("read", entry.key)
+        buffer = self.staging.take(entry.nbytes)
+        t = entry.tensor
+        try:
             with torch.no_grad():  # the same tensor object, now in the pooled buffer
                 t.set_(buffer.untyped_storage(), 0, t.shape, t.stride())
-            with self._lock:
-                entry.staged = True
-                entry.buffer = buffer
-                self._count_staged()
-            if entry.current == "zeros":
-                with torch.no_grad():
-                    entry.tensor.zero_()
-                continue
-            offset = entry.offsets[entry.current]
-            self.bytes_read += entry.nbytes
-            for start in range(0, entry.nbytes, CHUNK_BYTES):
-                n = min(CHUNK_BYTES, entry.nbytes - start)
-                futures.append(self._pool.submit(_read_exact, self._fd, buffer,
-                                                 start, n, offset + start, self._direct))
-        return futures
+        except BaseException:
+            self.staging.give(buffer)
+            raise
+        with self._lock:
+            entry.staged = True
+            entry.buffer = buffer
+            self._count_staged()
+        if entry.current == "zeros":
+            with torch.no_grad():
+                t.zero_()
+            return []
+        offset = entry.offsets[entry.current]
+        self.bytes_read += entry.nbytes
+        return [self._pool.submit(_read_exact, self._fd, buffer, start,
+                                  min(CHUNK_BYTES, entry.nbytes - start), offset + start,
+                                  self._direct)
+                for start in range(0, entry.nbytes, CHUNK_BYTES)]
 
     def write_back(self, keys: Iterable[str]) -> list[Future]:
         """Start writing staged ``keys`` into the slot their committed value is not in."""
