@@ -997,3 +997,59 @@ def test_a_load_failing_before_its_first_write_still_refuses_until_loaded(tmp_pa
                               loss_fn=_loss)
     finally:
         pipe.close()
+
+
+def test_two_pipes_on_one_directory_are_refused_in_any_process(tmp_path):
+    """A directory is locked while a pipe has it open: a second pipe on it (resuming it,
+    or fresh on one whose first step is not committed yet, which truncated data.bin) is
+    refused, in this process or another, and the files stay as they were; a process
+    forked meanwhile (a DataLoader worker) does not keep the lock once the pipe closes.
+    Before, both pipes wrote into the same slots and committed manifests naming each
+    other's bytes."""
+    import warnings
+    from roundpipe.runtime.offload import OffloadStore
+    model, args, kwargs = _model()
+    path, fresh = tmp_path / "t", tmp_path / "fresh"
+    pipe, _ = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None, steps=1,
+                     offload_dir=path)
+    first = RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=torch.float32,
+                      offload_dir=fresh)
+    try:
+        before = read_committed(path)
+        with pytest.raises(OffloadError, match="in use by another pipe"):
+            _resume(copy.deepcopy(model), path)
+        with pytest.raises(OffloadError, match="in use by another pipe"):
+            RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=torch.float32,
+                      offload_dir=fresh, offload_resume="auto")
+        after = read_committed(path)
+        assert after[0] == before[0] == 1
+        assert all(torch.equal(after[1][k], v) for k, v in before[1].items())
+        verdict_r, verdict_w = os.pipe()
+        go_r, go_w = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork of threads
+            child = os.fork()
+        if child == 0:  # another process: refused too, then waits to be told to end
+            try:
+                OffloadStore(path, resume=True).close()
+                verdict = b"taken"
+            except OffloadError as e:
+                verdict = b"refused" if "in use" in str(e) else b"other"
+            except BaseException:
+                verdict = b"other"
+            os.write(verdict_w, verdict)
+            os.read(go_r, 1)
+            os._exit(0)
+        try:
+            assert os.read(verdict_r, 16) == b"refused"
+            pipe.close()
+            with _resume(copy.deepcopy(model), path) as again:  # the child is alive
+                assert again._steps == 1
+        finally:
+            os.write(go_w, b"x")
+            os.waitpid(child, 0)
+            for fd in (verdict_r, verdict_w, go_r, go_w):
+                os.close(fd)
+    finally:
+        pipe.close()
+        first.close()

@@ -12,6 +12,8 @@ resident; their values travel inline in the manifest.
 Layout of ``PATH``::
 
     data.bin        two regions ("slots") per tensor, 4 KiB aligned
+    lock            locked (flock) while a pipe has the directory open: a second pipe
+                    on it, in any process, is refused
     manifest.json   the committed state: step number, and for each tensor its slot,
                     dtype and shape (inline bytes for the resident ones)
 
@@ -50,12 +52,18 @@ import torch
 from ..errors import OffloadError
 from .atomic_file import write_atomically
 
+try:
+    import fcntl
+except ImportError:  # (no flock: the directory is not locked)
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 FORMAT = "roundpipe-offload-2"  # 2: both slots of each tensor, and "meta"
 _READABLE = ("roundpipe-offload-1", FORMAT)
 DATA_FILE = "data.bin"
 MANIFEST = "manifest.json"
+LOCK_FILE = "lock"
 ALIGN = 4096
 #: bytes per read or write call; chunks of one tensor go to several threads
 CHUNK_BYTES = 8 << 20
@@ -293,6 +301,14 @@ class OffloadStore:
         except OSError as e:
             raise OffloadError(f"offload_dir {self.directory!r} cannot be created ({e}); "
                                "pass a writable directory on a local disk") from e
+        self._lock_fd = _lock_directory(self.directory)
+        try:
+            self._open(io_threads, direct, resume)
+        except BaseException:
+            _unlock_directory(self._lock_fd)
+            raise
+
+    def _open(self, io_threads: int, direct: bool, resume: bool | str) -> None:
         path = os.path.join(self.directory, DATA_FILE)
         #: the committed manifest a resume continues from (None: a fresh directory)
         self.resumed: dict | None = None
@@ -749,6 +765,58 @@ class OffloadStore:
         self.staging.clear()
         with contextlib.suppress(OSError):
             os.close(self._fd)
+        _unlock_directory(self._lock_fd)
+
+
+# The lock file's descriptors of the stores open in this process (a forked child
+# closes its copies, so that it does not hold the directories after the parent closes).
+_LOCK_FDS: set[int] = set()
+
+
+def _lock_directory(directory: str) -> int | None:
+    """Lock ``directory`` for one store (``flock``, released when the store closes or
+    its process ends): two pipes on one directory would write into each other's slots
+    and commit manifests naming the other's bytes."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise OffloadError(f"offload_dir {directory!r} cannot be used ({e}); pass a "
+                           "writable directory on a local disk") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            log.warning("roundpipe: offload_dir %s cannot be locked (%s): nothing stops "
+                        "a second pipe from using it at the same time", directory, e)
+            return None
+        raise OffloadError(
+            f"offload_dir {directory!r} is in use by another pipe (of this process or "
+            "another): two pipes on one directory would overwrite each other's state. "
+            "Close the other pipe first (pipe.close(), or let its process end), or pass "
+            "another offload_dir") from None
+    _LOCK_FDS.add(fd)
+    return fd
+
+
+def _unlock_directory(fd: int | None) -> None:
+    if fd is not None and fd in _LOCK_FDS:
+        _LOCK_FDS.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _close_locks_in_child() -> None:
+    for fd in _LOCK_FDS:  # (closing a copy leaves the parent's lock held)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_locks_in_child)
 
 
 _BANDWIDTH: dict[str, float] = {}
