@@ -1053,3 +1053,36 @@ def test_two_pipes_on_one_directory_are_refused_in_any_process(tmp_path):
     finally:
         pipe.close()
         first.close()
+
+
+def test_a_run_whose_scheduler_changes_group_keys_resumes(tmp_path):
+    """OneCycleLR adds keys to the optimizer's groups (max_lr, min_lr, base/max_momentum)
+    and sets AdamW's betas when it is made, after the optimizer: the manifest records the
+    optimizer as it was made, so a resume, which checks the new optimizer when it is
+    made (before its scheduler), takes it, and one more step equals three uninterrupted
+    ones bitwise; other betas are still refused (before, every such run was refused as
+    'another optimizer')."""
+    from roundpipe import OffloadMismatchError
+    model, args, kwargs = _model()
+    fresh = copy.deepcopy(model)
+
+    def scheduler(pipe, opt):
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    ref, ref_opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None,
+                          on_pipe=scheduler)
+    pipe, _ = _train(model, args, kwargs, 1, "AdamW", None, steps=2, on_pipe=scheduler,
+                     offload_dir=tmp_path / "t")
+    pipe.close()
+    with _resume(copy.deepcopy(fresh), tmp_path / "t") as p:
+        with pytest.raises(OffloadMismatchError, match="betas"):
+            roundpipe.optim.AdamW(p.optim_parameters(), lr=1e-2, weight_decay=0.1,
+                                  betas=(0.8, 0.999))
+    again, opt = _train(fresh, args, kwargs, 1, "AdamW", None, steps=1, on_pipe=scheduler,
+                        offload_dir=tmp_path / "t", offload_resume=True)
+    try:
+        assert opt.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"] != (
+            0.9, 0.999)
+        _assert_equal(_snapshot(again, opt), _snapshot(ref, ref_opt))
+    finally:
+        again.close()
+        ref.close()

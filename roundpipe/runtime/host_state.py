@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
@@ -181,6 +182,11 @@ class ModelState:
         self.step_counters: dict[int, dict[str, object]] = {}
         self._digests: dict[str, tuple[int, int, str]] = {}  # name -> (ptr, version, hex)
         self._resume_checked: set[str] = set()  # masters whose optimizer was checked
+        # optimizer -> {master: its fingerprint as the optimizer was made}: what the
+        # manifest records, since schedulers (OneCycleLR, CyclicLR) add and change group
+        # keys (max_lr, betas, momentum) after it was made, and a resume compares a
+        # freshly made optimizer with it
+        self._made_as: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         if offload_dir is not None:
             self.offload = OffloadStore(offload_dir, resume=offload_resume)
             self.landed.offload = self.offload
@@ -483,9 +489,11 @@ class ModelState:
     def _optimizer_fingerprints(self, optimizers: Iterable[object] | None = None
                                 ) -> dict[str, object]:
         """For each master a bound optimizer steps: its class, state dtype and the
-        hyperparameters of its group (the learning rate apart: schedulers change it)."""
+        hyperparameters of its group (the learning rate apart: schedulers change it), as
+        they were when the optimizer was made (where :meth:`resume_optimizer` saw it)."""
         out: dict[str, object] = {}
         for opt in list(self.landed.optimizers if optimizers is None else optimizers):
+            made_as = self._made_as.get(opt, {})
             for group in opt.param_groups:  # type: ignore[attr-defined]
                 hyper = {k: _plain(v) for k, v in sorted(group.items())
                          if k not in ("params", "lr", "initial_lr")}
@@ -497,7 +505,7 @@ class ModelState:
                 for p in group["params"]:
                     owner = tier_owner_of(p)
                     if owner is not None and owner[0] is self.landed:
-                        out[owner[1]] = fingerprint
+                        out[owner[1]] = made_as.get(owner[1], fingerprint)
         return json.loads(json.dumps(out, default=repr))
 
     def _before_commit(self) -> None:
@@ -572,12 +580,16 @@ class ModelState:
     def resume_optimizer(self, optimizer: object) -> None:
         """A ``roundpipe.optim`` optimizer bound this pipe's masters: with a resumed
         directory, check it is the run's (class, state dtype, hyperparameters but the
-        learning rate) and give it the state the directory holds for them."""
+        learning rate) and give it the state the directory holds for them.  Without
+        one, note its fingerprint as made, for the manifests."""
         store = self.offload
+        mine = self._optimizer_fingerprints([optimizer])
+        made_as = self._made_as.setdefault(optimizer, {})
+        for name, fingerprint in mine.items():
+            made_as.setdefault(name, fingerprint)
         if store is None or store.resumed is None:
             return
         recorded = store.resumed["meta"].get("optimizers") or {}
-        mine = self._optimizer_fingerprints([optimizer])
         fresh = [n for n in mine if n not in self._resume_checked]
         for name in fresh:
             if recorded and recorded.get(name) != mine[name]:
