@@ -1055,6 +1055,23 @@ def test_two_pipes_on_one_directory_are_refused_in_any_process(tmp_path):
         first.close()
 
 
+def test_a_pipe_dropped_without_close_frees_its_directory_once_collected(tmp_path):
+    """The directory's lock goes with the store: a pipe dropped without close() (a
+    notebook cell run again) does not keep the directory locked for the rest of the
+    process once it is collected."""
+    import gc
+    import weakref
+    model, args, kwargs = _model()
+    pipe, opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None, steps=1,
+                       offload_dir=tmp_path / "t")
+    store = weakref.ref(pipe._state.offload)
+    del pipe, opt
+    gc.collect()
+    assert store() is None
+    with _resume(copy.deepcopy(model), tmp_path / "t") as again:
+        assert again._steps == 1
+
+
 def test_a_run_whose_scheduler_changes_group_keys_resumes(tmp_path):
     """OneCycleLR adds keys to the optimizer's groups (max_lr, min_lr, base/max_momentum)
     and sets AdamW's betas when it is made, after the optimizer: the manifest records the

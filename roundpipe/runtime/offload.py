@@ -43,6 +43,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -301,11 +302,14 @@ class OffloadStore:
         except OSError as e:
             raise OffloadError(f"offload_dir {self.directory!r} cannot be created ({e}); "
                                "pass a writable directory on a local disk") from e
-        self._lock_fd = _lock_directory(self.directory)
+        # unlocked at close(), or once the store is collected unclosed (a pipe dropped
+        # without close() must not keep its directory for the rest of the process)
+        self._unlock = weakref.finalize(self, _unlock_directory,
+                                        _lock_directory(self.directory))
         try:
             self._open(io_threads, direct, resume)
         except BaseException:
-            _unlock_directory(self._lock_fd)
+            self._unlock()
             raise
 
     def _open(self, io_threads: int, direct: bool, resume: bool | str) -> None:
@@ -765,7 +769,7 @@ class OffloadStore:
         self.staging.clear()
         with contextlib.suppress(OSError):
             os.close(self._fd)
-        _unlock_directory(self._lock_fd)
+        self._unlock()
 
 
 # The lock file's descriptors of the stores open in this process (a forked child
