@@ -1103,3 +1103,35 @@ def test_a_run_whose_scheduler_changes_group_keys_resumes(tmp_path):
     finally:
         again.close()
         ref.close()
+
+
+def test_a_load_after_a_resume_keeps_the_optimizer_state_no_optimizer_took_yet(tmp_path):
+    """A resumed pipe into which the model's state is loaded (pipe.load_state_dict, or
+    load_checkpoint without an optimizer) before any optimizer took the directory's
+    moments commits them as they were, and the run's optimizer fingerprints with them:
+    the pipe closed (or killed) then, a resume still hands them over and one more step
+    equals three uninterrupted ones bitwise (before, the load's manifest named only the
+    masters: the moments were lost and any optimizer was taken, starting from zeros)."""
+    from roundpipe import OffloadMismatchError
+    model, args, kwargs = _model()
+    ref, ref_opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None)
+    pipe, _ = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None, steps=2,
+                     offload_dir=tmp_path / "t")
+    masters = pipe.state_dict()
+    pipe.close()
+    before = read_committed(tmp_path / "t")
+    with _resume(copy.deepcopy(model), tmp_path / "t") as p:
+        p.load_state_dict(masters)
+    after = read_committed(tmp_path / "t")
+    assert after[0] == before[0] + 1 and after[1].keys() == before[1].keys()
+    assert all(torch.equal(after[1][k], v) for k, v in before[1].items())
+    with _resume(copy.deepcopy(model), tmp_path / "t") as p:
+        with pytest.raises(OffloadMismatchError, match="SGD"):
+            roundpipe.optim.SGD(p.optim_parameters(), lr=1e-2)
+    again, opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None, steps=1,
+                        offload_dir=tmp_path / "t", offload_resume=True)
+    try:
+        _assert_equal(_snapshot(again, opt), _snapshot(ref, ref_opt))
+    finally:
+        again.close()
+        ref.close()

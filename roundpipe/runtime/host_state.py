@@ -512,7 +512,14 @@ class ModelState:
         store = self.offload
         assert store is not None
         store.meta["pipe"] = dict(self.counters)
-        store.meta["optimizers"] = self._optimizer_fingerprints()
+        fingerprints = self._optimizer_fingerprints()
+        if store.resumed is not None:  # the run's, for the state no optimizer took yet
+            recorded = store.resumed["meta"].get("optimizers") or {}
+            for key in store.resumed_keys("state/"):
+                name = key[len("state/"):].rsplit("/", 1)[0]
+                if name in recorded:
+                    fingerprints.setdefault(name, recorded[name])
+        store.meta["optimizers"] = fingerprints
         store.meta["values"] = self._value_digests()
 
     def _mismatch(self, what: str) -> OffloadMismatchError:

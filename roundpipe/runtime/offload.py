@@ -482,6 +482,8 @@ class OffloadStore:
                 if entry is not None and entry.staged:
                     self._unstage(entry)
                 self._ungroup(key)
+                if self.resumed is not None:  # not carried into later manifests
+                    self.resumed["entries"].pop(key, None)
 
     def adopt(self, key: str, tensor: torch.Tensor, *, group: str) -> bool:
         """Resume: make ``tensor`` (the right shape and dtype, contiguous) the value the
@@ -737,6 +739,10 @@ class OffloadStore:
                 else:
                     continue  # zeros never written: a resume starts it afresh
                 entries[key] = info
+            # what a resumed manifest holds and no optimizer took yet (a load before
+            # the optimizer was made): committed as it was, its slots untouched
+            for key in self.resumed_keys():
+                entries[key] = self.resumed["entries"][key]  # type: ignore[index]
             manifest = {"format": FORMAT, "step": self.step + 1, "entries": entries,
                         "meta": self.meta}
             data = json.dumps(manifest, default=repr).encode()
