@@ -1158,9 +1158,13 @@ class RoundPipe:
         the call counter and seed of the dropout streams, the step count,
         ``predict_weights`` and ``async_after`` (a load checks them), while the
         asynchronous schedule has the weights differ from the masters, those weights, and
-        the masters kept for the weight prediction.
+        the masters kept for the weight prediction.  Raises :class:`StepError` while a
+        step or load that failed part-way left the state mixed (until a load).
         """
         self._optimizer.wait()
+        if self._state.mixed is not None:  # (calls and steps refuse it too)
+            raise StepError(f"{self._state.mixed}. A checkpoint now would save that mix: "
+                            "nothing was saved")
         sd = self.model.state_dict()
         meta: dict[str, Any] = {"version": 1, "calls": self._calls, "seed": self.seed,
                                 "steps": self._steps,

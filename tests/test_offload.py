@@ -1135,3 +1135,47 @@ def test_a_load_after_a_resume_keeps_the_optimizer_state_no_optimizer_took_yet(t
     finally:
         again.close()
         ref.close()
+
+
+@pytest.mark.parametrize("how", ["stochastic rounding step", "load"])
+def test_a_mixed_state_is_not_saved(tmp_path, how):
+    """Once the tier's state is marked mixed (a step without masters failing after it
+    updated weights in place; a load failing part-way) calls and steps refuse, and so
+    does save_checkpoint, which saved the new weights beside the files' old moments (or
+    the loaded weights beside the old masters) without a word; after a load it saves."""
+    model, args, kwargs = _model()
+    if how == "load":
+        ckpt = _checkpoint(tmp_path, sharded=False)
+        pipe, opt = _train(model, args, kwargs, 1, "AdamW", None,
+                           offload_dir=tmp_path / "t", steps=1)
+    else:
+        pipe, opt = _sr_train(model, args, kwargs, 1, "AdamW", steps=1,
+                              offload_dir=tmp_path / "t")
+        ckpt = tmp_path / "ck.pt"
+        save_checkpoint(ckpt, pipe, opt)
+    store = pipe._state.offload
+
+    def fault(what, arg):
+        if what == ("write" if how == "load" else "commit"):
+            raise OSError(5, "injected: Input/output error")
+    try:
+        if how == "load":
+            store.fault = fault
+            with pytest.raises(OSError, match="injected"):
+                load_checkpoint(ckpt, pipe, opt)
+        else:
+            pipe.forward_backward(input_args=args, input_kwargs=kwargs, label=None,
+                                  loss_fn=_loss)
+            store.fault = fault
+            with pytest.raises(StepError, match="injected"):
+                pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        store.fault = None
+        for sharded in (False, True):
+            path = tmp_path / ("mixed" if sharded else "mixed.pt")
+            with pytest.raises(StepError, match="nothing was saved"):
+                save_checkpoint(path, pipe, opt, sharded=sharded)
+            assert not path.exists() or not any(path.iterdir())
+        load_checkpoint(ckpt, pipe, opt)
+        save_checkpoint(tmp_path / "after.pt", pipe, opt)
+    finally:
+        pipe.close()
