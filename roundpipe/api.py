@@ -48,6 +48,7 @@ from .runtime.microbatch import (batch_size_of, check_on_cpu, merged_value, spli
                                  split_label)
 from .runtime.data_parallel import DataParallel, DataParallelConfig, DataParallelInfo
 from .runtime.optimizer import OptimizerWorker
+from .runtime.landing_step import LandingStep
 from .runtime import offload, param_hooks
 from .ops.rng import RngKey
 from .runtime.signature import flatten_inputs, leading_size, matches
@@ -595,9 +596,21 @@ class RoundPipe:
         run_config: RoundPipeRunConfig | None = None,
         return_outputs: bool = False,
         reduction: str = "sum",
+        step: torch.optim.Optimizer | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Forward, loss and backward over all microbatches; gradients accumulate into the
         masters' ``.grad`` (``optim_parameters()``).
+
+        ``step=opt``: this call is a whole training step, exactly ``forward_backward(...)``
+        followed by ``pipe.step(opt)`` (weights, masters, optimizer state and losses
+        bitwise), but with a ``roundpipe.optim`` optimizer over every master each unit
+        is updated and published as soon as its gradients have landed, during the
+        backward, and their buffers are reused by the next units: the host holds a
+        window of units' gradients, not the whole model's (``docs/guide.md``, "Stepping
+        as gradients land").  Where that cannot be exact (``pipe.landing_step(opt)``
+        says why) the call runs the plain order, with the reason logged.  Nothing may
+        read the gradients between the backward and the step (clipping, a GradScaler),
+        and there is no accumulation over calls: the gradients are gone when it returns.
 
         ``loss_fn(output_mb, label_mb)`` runs on the device right after the last stage.
         Returns the sum of the microbatch losses on the CPU (and the merged outputs when
@@ -629,9 +642,14 @@ class RoundPipe:
             if divisor and isinstance(loss, torch.Tensor):
                 loss = loss / divisor[0]
             return loss
+        if step is not None and not isinstance(step, torch.optim.Optimizer):
+            raise ConfigError(f"forward_backward(step=...) takes the optimizer to step, got "
+                              f"{type(step).__name__}")
         if not isinstance(input_args, tuple):
             input_args = (input_args,)
         input_kwargs = dict(input_kwargs or {})
+        if step is not None:
+            self._refuse_unresumed()
         with self._lock, diagnose_dtypes(self.model, input_args, input_kwargs), \
                 self._replica_call() as dp_call:
             cfg = self._config(run_config)
@@ -647,23 +665,158 @@ class RoundPipe:
             # eager's reference is the per-microbatch loop: one backward per microbatch
             hooks = self._hooks(entry, per_microbatch=True)
             on_grads = dp_call.bind(entry.host, entry.plan.program.units) if dp_call else None
-            result = entry.executor.train(
-                flat, labels, loss_fn, grain=cfg.recompute_grain, want_outputs=return_outputs,
-                keys=self._keys(cfg), fence_version=self._state.fences.target,
-                autocast=self._autocast(), nonfinite_loss_ok=self._nonfinite_loss_ok,
-                on_grads=on_grads, keep=tail_values(plan), hooks=hooks)
+            landing = None
+            if step is not None:
+                blocker = self._landing_blocker(step, entry, hooks)
+                if blocker is None:
+                    landing = self._landing_step(step, entry)
+                else:
+                    self._log_landing_fallback(blocker)
+            fence_version = self._state.fences.target if landing is None else landing[1]
+            try:
+                result = entry.executor.train(
+                    flat, labels, loss_fn, grain=cfg.recompute_grain,
+                    want_outputs=return_outputs, keys=self._keys(cfg),
+                    fence_version=fence_version, autocast=self._autocast(),
+                    nonfinite_loss_ok=self._nonfinite_loss_ok,
+                    on_grads=landing[0].on_grads if landing else on_grads,
+                    keep=tail_values(plan), hooks=hooks,
+                    on_losses=landing[0].on_losses if landing else None)
+            except BaseException:
+                if landing is not None:
+                    landing[0].end(False)
+                    self._landing_failed()
+                raise
             loss = sum_losses(result.losses)
+            if landing is not None:
+                landing[0].end(True)
+                self._optimizer.wait()  # the step's failure is the call's (StepError)
+                result = dataclasses.replace(result, param_grads={}, grads_owned=frozenset(),
+                                             grads_holdable=frozenset(), grad_norms={})
             if dp_call is not None:
                 # A failed step here must fail the call on every replica, before any commits.
                 self._optimizer.wait()
                 loss = dp_call.complete(result, loss)
             self._finish(entry, result, hooks=hooks)
+            if landing is not None:
+                self._steps += 1
             if dp_call is not None:
                 self._sync_replica_buffers(entry)
             loss = returned_loss(loss)
+            if step is not None and landing is None:
+                self.step(step)  # the plain order: forward_backward, then step
             if return_outputs:
                 return loss, merged_outputs(entry, result, mbs, cfg, plan)
             return loss
+
+    def _refuse_unresumed(self) -> None:
+        unresumed = self._state.unresumed()
+        if unresumed:
+            raise OffloadMismatchError(
+                f"offload_dir {self._state.offload.directory!r} holds optimizer state "
+                f"that no optimizer of this pipe took ({len(unresumed)} tensors, e.g. "
+                f"{unresumed[0]!r}); a step now would drop it. Nothing was run: create "
+                "the run's roundpipe.optim optimizer(s) over pipe.optim_parameters() "
+                "before stepping")
+
+    def landing_step(self, optimizer: torch.optim.Optimizer) -> str:
+        """How ``forward_backward(..., step=optimizer)`` steps: ``"as gradients land"``
+        (each unit updated during the backward, a window of units' gradients held) or
+        ``"after the call: <why>"`` (the plain order, every gradient held until the
+        step).  Before the first call it cannot see the model's units and hooks."""
+        blocker = self._landing_blocker(optimizer, self._current, None)
+        return "as gradients land" if blocker is None else f"after the call: {blocker}"
+
+    def _landing_blocker(self, optimizer: torch.optim.Optimizer,
+                         entry: CompiledProgram | None,
+                         hooks: param_hooks.HookPlan | None) -> str | None:
+        """Why ``forward_backward(step=optimizer)`` cannot update units as their
+        gradients land, exactly (None: it can)."""
+        state = self._state
+        if self._dp is not None:
+            return "data parallel all-reduces each unit's gradients before any step"
+        if self._nonfinite_loss_ok:
+            return "a GradScaler unscales and checks every gradient before the step"
+        if self._optimizer.on_worker:
+            return "called from inside a step_fn"
+        blocker = self._overlap_blocker(optimizer, record=False)
+        if blocker is not None:
+            return blocker
+        masters = {id(m) for _, m in state.named_masters()}
+        stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [n for n, m in state.named_masters() if id(m) not in stepped]
+        if missing:
+            return (f"the optimizer does not step the master {missing[0]!r}, whose "
+                    "gradient would then stay held")
+        del masters
+        held = [n for n, m in state.named_masters()
+                if raw_grad(m) is not None or state.landed.has_landed(n)]
+        if held:
+            return (f"{held[0]!r} holds a gradient from an earlier call (accumulation): "
+                    "the step needs the sum")
+        outside = state.outside_grads()
+        if outside:
+            return (f"{next(iter(outside))!r} has a gradient from a use outside the pipe, "
+                    "added at the step")
+        if entry is None:
+            return None
+        if hooks is not None and hooks.at_commit:
+            return (f"parameter hooks on {sorted(hooks.at_commit)[0]!r} run on its "
+                    "gradient summed at the commit")
+        program, specs = entry.plan.program, entry.host.specs
+        readers = collections.Counter(specs[s].fqn for u in program.units for s in u.state
+                                      if entry.host.trainable(s))
+        shared = sorted(n for n, c in readers.items() if c > 1)
+        if shared:
+            return (f"parameter {shared[0]!r} is read by several units (tied or shared): "
+                    "its gradient is their sum, final only at the commit")
+        return None
+
+    def _log_landing_fallback(self, blocker: str) -> None:
+        seen = self.__dict__.setdefault("_landing_reasons", set())
+        if blocker not in seen:
+            seen.add(blocker)
+            log.warning("roundpipe: forward_backward(step=...) steps after the call, with "
+                        "every gradient held until then: %s", blocker)
+
+    def _landing_step(self, optimizer: torch.optim.Optimizer, entry: CompiledProgram
+                      ) -> tuple[LandingStep, int]:
+        """Prepare and enqueue the step of a call that consumes its gradients as they
+        land; returns it and the fence version the call's uploads wait for (the one
+        before the step's)."""
+        groups = optimizer.frozen_groups()  # raises on bad hyperparameters: nothing ran
+        if self._optimizer.pending_steps() or self._state.dirty:
+            self._optimizer.synchronize()  # an older step first, whole
+        program, specs = entry.plan.program, entry.host.specs
+        masters = dict(self._state.named_masters())
+        units = [{s: specs[s].fqn for s in u.state
+                  if entry.host.trainable(s) and specs[s].fqn in masters}
+                 for u in program.units]
+        publish = [tuple(dict.fromkeys(specs[s].fqn for s in u.state
+                                       if specs[s].kind == "parameter"))
+                   for u in program.units]
+        landing = LandingStep(optimizer, groups, masters, units, publish, self._landing)
+        before = self._state.fences.target
+        calls, self._calls = self._calls, self._calls + 1  # as counted when step() runs
+        counters = self._counters(steps=self._steps + 1)
+        self._calls = calls
+
+        def on_enqueue(version: int) -> None:
+            if self._state.offload is not None:
+                self._state.step_counters[version] = counters
+            for hook in self._step_hooks:
+                hook(version)
+
+        self._optimizer.step_landing(landing, on_enqueue=on_enqueue)
+        return landing, before
+
+    def _landing_failed(self) -> None:
+        """The call of a landing step failed: wait for the step to stop; it changed
+        nothing, or the pipe refuses calls until a load (reported with the next call)."""
+        try:
+            self._optimizer.wait()
+        except StepError:
+            pass  # the mixed state is kept (ModelState.mixed); the call's error is raised
 
     @contextlib.contextmanager
     def _replica_call(self) -> Iterator[Any]:

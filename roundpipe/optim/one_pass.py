@@ -312,6 +312,41 @@ class OnePass:
                         on_prepared)
 
     @torch.no_grad()
+    def step_landed(self, groups: list[dict[str, Any]], grads: dict[int, torch.Tensor],
+                    stage: Callable[[list[tuple[torch.Tensor, str]]], None] | None = None
+                    ) -> None:
+        """One unit's share of a step whose gradients are consumed as they land
+        (``pipe.forward_backward(..., step=opt)``): update the parameters of ``groups``
+        (from :meth:`frozen_groups`) whose ``id`` is in ``grads``, reading those
+        gradients, with the same elementwise kernels as :meth:`step` (so the result is
+        bitwise that of a whole step).  Their state is allocated first; ``stage(created)``
+        then gets the ``(param, key)`` made (the disk tier stages them)."""
+        work = [[(p, grads[id(p)]) for p in g["params"]
+                 if id(p) in grads and self._handles_in(g, p)] for g in groups]
+        for pairs in work:
+            for p, grad in pairs:
+                if grad.shape != p.shape:
+                    raise OptimizerError(f"{type(self).__name__} got a gradient of shape "
+                                         f"{tuple(grad.shape)} for a parameter of shape "
+                                         f"{tuple(p.shape)}")
+        known = {id(p) for p in self.state}  # type: ignore[attr-defined]
+        created = self._allocate_state(list(zip(groups, work)))
+        try:
+            if stage is not None:
+                stage(created)
+        except BaseException:
+            self._drop_state(created, known)
+            raise
+        self._fresh = frozenset((id(p), key) for p, key in created)
+        self._scales = {}
+        try:
+            for g, pairs in zip(groups, work):
+                if pairs:
+                    self._update_and_mark(g, pairs)
+        finally:
+            self._scales, self._fresh = {}, frozenset()
+
+    @torch.no_grad()
     def step_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                    group: int = 0) -> None:
         """One step of ``param_groups[group]`` over the given ``(parameter, gradient)``

@@ -60,6 +60,9 @@ class CallState:
     # Called per unit once the last microbatch's backward passed it, and when a fused/bwd
     # job finishes (covering all its units; frozen or skipped units have no gradients).
     on_grads: Callable[[int, int, list[tuple[str, int, torch.Tensor]]], None] | None = None
+    # Called once the fused job has every loss and checked them (a step that consumes
+    # gradients as they land may update nothing before: a later loss could still fail).
+    on_losses: Callable[[], None] | None = None
     # (slot, unit) -> the gradient in its master's dtype, copied off the download buffer
     # once it landed (GradLanding); replaces param_grads when the call succeeds.
     converted: dict[tuple[str, int], Future] = field(default_factory=dict)

@@ -65,15 +65,28 @@ class GradLanding:
         # The last conversion of each (unit, slot): refilled when no one else holds it.
         # Only the conversion thread touches it.
         self._spare: dict[tuple[int, str], torch.Tensor] = {}
+        # A call that steps as its gradients land (forward_backward(step=opt)) gives each
+        # unit's download buffers back once the unit is updated (recycle): they wait here,
+        # oldest first, for a later unit's download of the same shape, so the buffers
+        # held are a window of units, not the whole model.  Capped at two units' bytes.
+        self._recycled: list[torch.Tensor] = []
+        self._pool_cap = 0
+        self._pool_lock = threading.Lock()
+        # Bytes of the download buffers kept (by key and pooled), and the most at once.
+        self._owned: dict[int, int] = {}
+        self.bytes = 0
+        self.peak_bytes = 0
 
-    def buffer_for(self, key: tuple[int, str], steps: Sequence[Future] = ()
-                   ) -> torch.Tensor | None:
+    def buffer_for(self, key: tuple[int, str], steps: Sequence[Future] = (),
+                   like: torch.Tensor | None = None) -> torch.Tensor | None:
         """A download buffer of ``key`` free to be overwritten, if one is kept (None: the
         download allocates one).  When every kept buffer is held by a gradient a step in
         ``steps`` reads (and its ``zero_grad`` then releases), the landing may wait for
         those steps rather than allocate a second buffer (see ``sets``)."""
         free = self._free(key)
         kept = self.buffers.get(key)
+        if free is None and not kept and like is not None:
+            return self._from_pool(like)
         if free is not None or not kept or all(f.done() for f in steps):
             return free
         if self.sets == 2 or (self.sets == "auto" and _affordable(_nbytes(kept[0]))):
@@ -92,10 +105,59 @@ class GradLanding:
         if any(t is buffer for t in kept):
             return
         kept.append(buffer)
+        self._own(buffer)
         if len(kept) > _KEPT_PER_KEY:  # shapes changed, or a held buffer was let go
             victim = next((t for t in kept if t is not buffer and not self.busy(t)), None)
             if victim is not None:
                 kept.remove(victim)
+                self._disown(victim)
+
+    # --- the window of a call that steps as gradients land ---------------------------------
+    def _own(self, buffer: torch.Tensor) -> None:
+        with self._pool_lock:
+            if id(buffer) not in self._owned:
+                n = self._owned[id(buffer)] = _nbytes(buffer)
+                self.bytes += n
+                self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def _disown(self, buffer: torch.Tensor) -> None:
+        with self._pool_lock:
+            self.bytes -= self._owned.pop(id(buffer), 0)
+
+    def _from_pool(self, like: torch.Tensor) -> torch.Tensor | None:
+        with self._pool_lock:
+            for i, t in enumerate(self._recycled):
+                if t.shape == like.shape and t.dtype == like.dtype:
+                    return self._recycled.pop(i)
+        return None
+
+    def recycle(self, keys: Sequence[tuple[int, str]]) -> None:
+        """The gradients of ``keys`` were consumed (their unit updated): their buffers go
+        to the pool a later unit's download takes from, the oldest beyond two units'
+        bytes are freed."""
+        freed: list[torch.Tensor] = []
+        batch = 0
+        for key in keys:
+            for t in self.buffers.pop(key, ()):
+                if self.busy(t):  # held by the host state: not ours to reuse
+                    self.buffers.setdefault(key, []).append(t)
+                    continue
+                batch += _nbytes(t)
+                with self._pool_lock:
+                    self._recycled.append(t)
+        with self._pool_lock:
+            self._pool_cap = max(self._pool_cap, 2 * batch)
+            total = sum(_nbytes(t) for t in self._recycled)
+            while self._recycled and total > self._pool_cap:
+                victim = self._recycled.pop(0)
+                total -= _nbytes(victim)
+                freed.append(victim)
+        for t in freed:
+            self._disown(t)
+
+    def reset_peak(self) -> None:
+        with self._pool_lock:
+            self.peak_bytes = self.bytes
 
     @property
     def converts(self) -> bool:
@@ -153,7 +215,9 @@ class GradLanding:
 
     def tensors(self) -> list[torch.Tensor]:
         """The download buffers and the kept conversions (for host memory accounting)."""
-        return [t for kept in self.buffers.values() for t in kept] + \
+        with self._pool_lock:
+            pool = list(self._recycled)
+        return [t for kept in self.buffers.values() for t in kept] + pool + \
             list(self._spare.values())
 
     def retain(self, keys: set[tuple[int, str]]) -> None:
@@ -172,6 +236,8 @@ class GradLanding:
         if pool is not None:
             pool.shutdown(wait=True)
         self._spare.clear()
+        with self._pool_lock:
+            self._recycled.clear()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -292,18 +292,24 @@ class ModelState:
             self._history = self._history or keep
             self.fences.publish_all(version)
 
-    def publishing_schedule(self, version: int) -> UnitSchedule:
+    def publishing_schedule(self, version: int,
+                            groups: Sequence[tuple[str, ...]] | None = None
+                            ) -> UnitSchedule:
         """A step that publishes as it goes (an exact step the next call overlaps): after
         the optimizer updated unit ``k``'s masters, ``after_unit(k)`` copies them into the
         model weights and opens the unit's fences at ``version``, so the next call's first
         jobs wait only for their own units.  The caller made sure nothing older is
-        unpublished (``dirty`` is False) and no weight prediction is kept."""
-        groups, seen = [], set()
-        for group in self.publish_groups + [tuple(self._params)]:
-            group = tuple(n for n in group if n not in seen)
-            seen.update(group)
-            if group:
-                groups.append(group)
+        unpublished (``dirty`` is False) and no weight prediction is kept.  ``groups``:
+        the parameter names of each unit in the order they are updated (default: the
+        upload order, then every other parameter)."""
+        if groups is None:
+            groups, seen = [], set()
+            for group in self.publish_groups + [tuple(self._params)]:
+                group = tuple(n for n in group if n not in seen)
+                seen.update(group)
+                if group:
+                    groups.append(group)
+        groups = [tuple(g) for g in groups]
         # every name with a master (a parameter frozen after its gradient landed is
         # still stepped, as eager steps it)
         units = [tuple(n for n in g if n in self._masters) for g in groups]
@@ -397,6 +403,15 @@ class ModelState:
         staged = UnitSchedule(self.landed, schedule.units, before_unit, after_unit)
         self.landed.unit_schedule = staged
         return staged
+
+    def stage_new_state(self, created: Sequence[tuple[torch.Tensor, str]]) -> None:
+        """With the disk tier: stage the optimizer state just made (zeros in their files)
+        for the unit being updated, which the step's window did not know of."""
+        if self.offload is None or not created:
+            return
+        keys = [state_key(owner[1], key) for p, key in created
+                if (owner := tier_owner_of(p)) is not None and owner[0] is self.landed]
+        wait(self.offload.stage(keys))
 
     def offload_finish(self, version: int | None = None) -> None:
         """A step ended whole: its writes finish, state the optimizers made goes to the

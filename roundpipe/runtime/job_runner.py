@@ -144,7 +144,7 @@ class JobRunner:
         for (uid, slot), leaf in leaves:
             if leaf.grad is None or (uid, slot) in self.handed:
                 continue
-            out = landing.buffer_for((uid, slot), self.call.steps)
+            out = landing.buffer_for((uid, slot), self.call.steps, like=leaf.grad)
             host = self.device.download(leaf.grad, "grads", out=out)
             landing.keep((uid, slot), host)
             self.handed.add((uid, slot))
@@ -499,6 +499,8 @@ class JobRunner:
         with torch.enable_grad(), self._autocast():
             loss = call.loss_fn(output, label)  # type: ignore[misc]
         _check_loss(loss, mb)
+        if mb == call.num_mb - 1 and call.on_losses is not None:
+            self._losses_in(loss, mb)
         acc: dict[str, torch.Tensor] = {}
         if loss.requires_grad:
             loss.backward()
@@ -513,6 +515,17 @@ class JobRunner:
         call.losses[mb] = self.device.download(loss.detach(), "losses")
         self._publish(mb, values)
         self._time_range(self.call.unit_bwd_s, t)
+
+    def _losses_in(self, loss: torch.Tensor, mb: int) -> None:
+        """The last microbatch's loss is computed, before its backward: check every loss
+        now and tell the step that consumes gradients as they land that it may begin
+        (the gradients of this job's units land during its backward)."""
+        self.call.losses[mb] = self.device.download(loss.detach(), "losses")
+        self.device.wait_downloads()
+        if not self.call.nonfinite_loss_ok:
+            with self.device.memory.host():
+                self._check_losses()
+        self.call.on_losses()  # type: ignore[misc]
 
     def _check_losses(self) -> None:
         for mb, loss in enumerate(self.call.losses):

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..errors import OptimizerError, StepError
 from .host_state import ModelState
+from .masters import UnitSchedule
 from .optimizer_check import MisbuiltOptimizerError, watching
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,14 @@ class _Verdict:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.misbuilt = False
+
+
+class _CallFailed(Exception):
+    """The call whose gradients a landing step consumes failed."""
+
+
+class _Unchanged(Exception):
+    """A step that failed before writing anything (its message says so)."""
 
 
 class _MixedStep(Exception):
@@ -53,6 +63,8 @@ class OptimizerWorker:
         # Until a step has run whole, pipe.step waits for its step: an optimizer that
         # cannot update the pipe (optimizer_check.py) fails the first pipe.step itself.
         self._checked = False
+        # Steps that consume a call's gradients as they land (step_landing).
+        self._landing: weakref.WeakSet = weakref.WeakSet()
 
     @property
     def on_worker(self) -> bool:
@@ -198,6 +210,63 @@ class OptimizerWorker:
             prepared.set()
         host.fences.publish_all(version)
 
+    def step_landing(self, step: Any, on_enqueue: Callable[[int], None] | None = None
+                     ) -> int:
+        """Enqueue a step that consumes the coming call's gradients as they land
+        (``runtime/landing_step.py``); returns its fence version.  The caller made sure
+        no older step is pending or unpublished, and tells ``step`` how the call ended."""
+        version = self._schedule(on_enqueue)
+        future = self._executor.submit(self._run_landing, step, version)
+        self._landing.add(future)
+        self._pending.append(future)
+        return version
+
+    def _run_landing(self, step: Any, version: int) -> None:
+        host = self.host
+        n = len(step.units)
+        schedule = host.publishing_schedule(
+            version, groups=[step.publish[k] for k in reversed(range(n))])
+        # the update order's master names (publishing_schedule keeps those with a master)
+        schedule = UnitSchedule(host.landed, step.order(), after_unit=schedule._after)
+        if host.offload is not None:  # stage each unit around its update and publish
+            schedule = host.offload_begin(schedule)
+        host.landed.unit_schedule = schedule
+        self._local.inside, self._local.version = True, version
+        try:
+            if not step.run(schedule, host.stage_new_state):
+                raise _CallFailed()
+            step.optimizer.zero_grad(groups=step.groups)
+            if host.offload is not None:
+                host.offload_finish(version)
+            self._checked = True
+        except BaseException as e:
+            if host.offload is not None:  # the files stay at the last whole step
+                host.offload_rollback()
+            if not schedule.started:  # nothing was written: the weights are this version's
+                host.fences.publish_all(version)
+                if isinstance(e, _CallFailed):
+                    return  # the call reports its own error
+                raise _Unchanged(
+                    f"a step taken as gradients landed (forward_backward(step=...)) failed "
+                    f"before it updated anything ({type(e).__name__}: {e}): the weights, "
+                    "masters and optimizer state are unchanged and this call's gradients "
+                    "were dropped; run the call again") from e
+            cause = ("the call failed" if isinstance(e, _CallFailed)
+                     else f"{type(e).__name__}: {e}")
+            why = (f"a step taken as gradients landed (forward_backward(step=...)) failed "
+                   f"part-way ({cause}) after {step.updated} of {len(step.units)} units "
+                   "were updated and published: the masters, the optimizer state and the "
+                   "weights mix two steps. Load a checkpoint (load_checkpoint, or "
+                   "pipe.load_state_dict and the optimizer's) to go on")
+            log.error("roundpipe: %s", why)
+            host.mixed = why
+            host.fences.fail(version, why)
+            raise _MixedStep(why) from e
+        finally:
+            host.landed.unit_schedule = None
+            self._local.inside, self._local.version = False, None
+        host.fences.publish_all(version)
+
     def _passed(self, checked: _Verdict) -> None:
         self._checked = True
         checked.event.set()
@@ -216,7 +285,7 @@ class OptimizerWorker:
                 if not (pending.done() and pending.exception() is e):
                     raise  # the caller was interrupted while waiting; the step goes on
                 self._pending.pop(0)
-                if isinstance(e, _MixedStep):
+                if isinstance(e, (_MixedStep, _Unchanged)):
                     raise StepError(str(e)) from e.__cause__
                 unchanged = ("The model weights are unchanged since the last successful "
                              "step" + (" and the masters were reset to them"
@@ -233,7 +302,9 @@ class OptimizerWorker:
     def pending_steps(self) -> list[Future]:
         """The steps enqueued and not yet waited for (none inside a ``step_fn``, which
         must not wait for itself)."""
-        return [] if self.on_worker else list(self._pending)
+        # (not a step consuming the running call's gradients: it waits for the call)
+        return [] if self.on_worker else [p for p in self._pending
+                                          if p not in self._landing]
 
     def run(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the optimizer thread, after any pending step, and wait for it.

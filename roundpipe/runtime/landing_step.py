@@ -1,0 +1,109 @@
+"""A step that consumes a call's gradients unit by unit as they land
+(``pipe.forward_backward(..., step=opt)``).
+
+The backward runs from the last unit to the first; once the last microbatch's backward
+has passed unit ``k`` and its gradients have landed on the host (the executor's
+``on_grads``), the optimizer thread updates unit ``k``'s masters from those download
+buffers, publishes its weights (opening its fences at the step's version) and gives the
+buffers back to the landing pool, where a later unit's download reuses them.  So the
+gradients held at any time are a window of units, not the whole model, and no
+full-model ``.grad`` is ever made.
+
+Order and exactness: units are updated in descending order (the order their gradients
+become final), each by the optimizer's own elementwise kernels, so every master, moment
+and weight is bitwise what ``forward_backward`` followed by ``pipe.step(opt)`` makes.
+Nothing is updated before the fused job has every loss and has checked them (a later
+microbatch's loss could still fail the call); once a unit was updated, a failure leaves
+the pipe refusing calls until state is loaded (``ModelState.mixed``), as a per-unit step
+that fails part-way does.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .grad_landing import GradLanding
+from .masters import UnitSchedule
+
+
+class LandingStep:
+    """The link between one training call's backward and its step.
+
+    ``units``: per program unit, ``(slot -> master name)`` of its trainable parameters;
+    ``publish``: per program unit, every parameter name its fences cover."""
+
+    def __init__(self, optimizer: Any, groups: list[dict[str, Any]],
+                 masters: dict[str, torch.Tensor], units: Sequence[dict[str, str]],
+                 publish: Sequence[tuple[str, ...]], landing: GradLanding) -> None:
+        self.optimizer = optimizer
+        self.groups = groups
+        self.masters = masters
+        self.units = list(units)
+        self.publish = list(publish)
+        self.landing = landing
+        self._cond = threading.Condition()
+        self._grads: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
+        self._final: set[int] = set()
+        self._gate = False   # every loss is in and finite
+        self._ended: bool | None = None  # the call returned (True) or raised (False)
+        self.updated = 0     # units whose update ran
+
+    # --- the call's side (device threads, download waiters) ---------------------------------
+    def on_grads(self, start: int, stop: int,
+                 staged: list[tuple[str, int, torch.Tensor]]) -> None:
+        with self._cond:
+            for slot, uid, t in staged:
+                self._grads.setdefault(uid, []).append((slot, uid, t))
+            self._final.update(range(start, stop))
+            self._cond.notify_all()
+
+    def on_losses(self) -> None:
+        with self._cond:
+            self._gate = True
+            self._cond.notify_all()
+
+    def end(self, ok: bool) -> None:
+        with self._cond:
+            self._ended = ok
+            self._cond.notify_all()
+
+    def _ready(self, k: int) -> bool:
+        """Wait until unit ``k``'s gradients are final (True) or the call failed (False)."""
+        with self._cond:
+            while True:
+                if self._ended is not None:
+                    return self._ended
+                if self._gate and k in self._final:
+                    return True
+                self._cond.wait()
+
+    # --- the optimizer thread's side ----------------------------------------------------------
+    def order(self) -> list[tuple[str, ...]]:
+        """Master names per step unit, in the order they are updated (descending
+        program units)."""
+        return [tuple(dict.fromkeys(self.units[k].values()))
+                for k in reversed(range(len(self.units)))]
+
+    def run(self, schedule: UnitSchedule,
+            stage: Callable[[list[tuple[torch.Tensor, str]]], None] | None) -> bool:
+        """Update every unit as its gradients land; False if the call failed first
+        (``schedule.started`` says whether some unit was updated)."""
+        n = len(self.units)
+        for i, k in enumerate(reversed(range(n))):
+            if not self._ready(k):
+                return False
+            with self._cond:
+                staged = self._grads.pop(k, [])
+            grads = {id(self.masters[self.units[k][slot]]): t for slot, _, t in staged
+                     if slot in self.units[k]}
+            schedule.before_unit(i)
+            if grads:
+                self.optimizer.step_landed(self.groups, grads, stage)
+            schedule.after_unit(i)
+            self.updated += 1
+            # the gradients are consumed: a later unit's download reuses their buffers
+            self.landing.recycle([(uid, slot) for slot, uid, _ in staged])
+        return True

@@ -1,0 +1,328 @@
+"""``forward_backward(..., step=opt)``: the step consumes each unit's gradients as they
+land during the backward.  It must be bitwise ``forward_backward`` followed by
+``pipe.step(opt)`` (weights, masters, optimizer state, losses) on any device count, with
+and without the disk tier; hold a window of units' gradients, not the model's; fall back
+to the plain order where it cannot be exact; and change nothing, or refuse calls until a
+load, when it fails."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import roundpipe.optim
+from roundpipe import RoundPipe, RoundPipeRunConfig, StepError
+from roundpipe.runtime.offload import RESIDENT_BYTES
+
+
+def _model(width: int = 8, depth: int = 6) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                           for _ in range(depth))).to(torch.bfloat16)
+
+
+def _data(steps: int = 3, width: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, width, generator=g).to(torch.bfloat16),
+             torch.randn(6, width, generator=g).to(torch.bfloat16)) for _ in range(steps)]
+
+
+def _loss(o, t):
+    return F.mse_loss(o.float(), t.float())
+
+
+def _adamw(ps):
+    return roundpipe.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+
+
+def _run(model: nn.Module, devices: int, landing: bool, *, make_opt=_adamw,
+         offload_dir=None, steps: int = 3, width: int = 8):
+    losses = []
+    with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
+                   offload_dir=offload_dir,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = make_opt(pipe.optim_parameters())
+        peaks = []
+        for x, y in _data(steps, width):
+            pipe._landing.reset_peak()
+            if landing:
+                losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                    loss_fn=_loss, step=opt))
+                assert pipe.landing_step(opt) == "as gradients land"
+            else:
+                losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                    loss_fn=_loss))
+                pipe.step(opt)
+            peaks.append(pipe._landing.peak_bytes)
+        pipe.synchronize()
+        state = {k: {n: v.clone() for n, v in s.items()}
+                 for k, s in opt.state_dict()["state"].items()}
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        masters = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        grads = [p.grad for p in pipe.optim_parameters()]
+        memory = pipe.host_memory(opt)
+    return dict(losses=losses, weights=weights, masters=masters, state=state,
+                grads=grads, peaks=peaks, memory=memory)
+
+
+def _equal(a, b) -> None:
+    assert len(a["losses"]) == len(b["losses"])
+    assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
+    for key in ("weights", "masters"):
+        assert a[key].keys() == b[key].keys()
+        for k in a[key]:
+            assert torch.equal(a[key][k], b[key][k]), (key, k)
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert a["state"][k].keys() == b["state"][k].keys()
+        for n in a["state"][k]:
+            assert torch.equal(a["state"][k][n], b["state"][k][n]), (k, n)
+
+
+def _sgd(ps):
+    return roundpipe.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01)
+
+
+def _adamw_bf16(ps):
+    return roundpipe.optim.AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("make_opt", [_adamw, _sgd, _adamw_bf16],
+                         ids=["adamw", "sgd", "adamw-bf16-state"])
+def test_stepping_as_gradients_land_is_bitwise_the_plain_step(devices, make_opt) -> None:
+    base = _model()
+    plain = _run(copy.deepcopy(base), devices, landing=False, make_opt=make_opt)
+    landed = _run(copy.deepcopy(base), devices, landing=True, make_opt=make_opt)
+    _equal(plain, landed)
+    assert all(g is None for g in landed["grads"])  # consumed, as step's zero_grad
+
+
+def test_it_is_invariant_to_the_device_count() -> None:
+    base = _model()
+    _equal(_run(copy.deepcopy(base), 1, landing=True),
+           _run(copy.deepcopy(base), 3, landing=True))
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_with_the_disk_tier_it_is_bitwise_the_in_memory_plain_step(devices, tmp_path) -> None:
+    base = _model()
+    plain = _run(copy.deepcopy(base), 1, landing=False)
+    tiered = _run(copy.deepcopy(base), devices, landing=True,
+                  offload_dir=str(tmp_path / "tier"))
+    _equal(plain, tiered)
+    # the masters stay in their files (but those small enough to stay resident)
+    masters = sum(p.numel() for p in base.parameters())
+    assert tiered["memory"].masters <= 2 * len(list(base.parameters())) * RESIDENT_BYTES
+    assert tiered["memory"].disk_masters >= 4 * masters
+
+
+def test_the_landed_gradients_are_a_window_of_units_not_the_model() -> None:
+    base = _model(width=64, depth=12)
+    plain = _run(copy.deepcopy(base), 1, landing=False, steps=2, width=64)
+    landed = _run(copy.deepcopy(base), 1, landing=True, steps=2, width=64)
+    whole = sum(p.numel() * 2 for p in base.parameters())
+    assert plain["peaks"][-1] >= whole
+    # every unit is 64*64+64 bf16; at most a few units' buffers at once
+    unit = (64 * 64 + 64) * 2
+    assert max(landed["peaks"]) <= 4 * unit < whole / 2, (landed["peaks"], whole)
+    assert landed["memory"].landing <= 2 * unit
+    assert plain["memory"].landing >= whole
+
+
+def _snapshot(pipe, opt):
+    return dict(weights={k: v.clone() for k, v in pipe.model.state_dict().items()},
+                masters={k: v.detach().clone() for k, v in pipe.state_dict().items()},
+                state={k: {n: v.clone() for n, v in s.items()}
+                       for k, s in opt.state_dict()["state"].items()},
+                losses=[])
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.out = nn.Linear(8, 8)
+        self.out.weight = self.inp.weight  # read by two units
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+def _fallback_cases():
+    def torch_opt(pipe):
+        return torch.optim.AdamW(pipe.optim_parameters(), lr=1e-2), None
+
+    def subset(pipe):  # the last master is not stepped: its gradient must stay held
+        return roundpipe.optim.AdamW(pipe.optim_parameters()[:-1], lr=1e-2), None
+
+    def step_hook(pipe):
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        opt.register_step_pre_hook(lambda o, a, k: None)
+        return opt, None
+
+    def accumulated(pipe):  # a gradient held from an earlier call: the step needs the sum
+        opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+        return opt, "accumulate"
+
+    return [("torch", _model, torch_opt, "steps all its parameters at once"),
+            ("subset", _model, subset, "does not step the master"),
+            ("step hook", _model, step_hook, "step hooks"),
+            ("accumulate", _model, accumulated, "from an earlier call"),
+            ("tied", lambda: _Tied().to(torch.bfloat16),
+             lambda pipe: (roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2), None),
+             "read by several units")]
+
+
+@pytest.mark.parametrize("case", _fallback_cases(), ids=lambda c: c[0])
+def test_what_cannot_step_as_gradients_land_runs_the_plain_order_with_a_reason(
+        case, caplog) -> None:
+    _, make_model, make_opt, reason = case
+    base = make_model()
+    results = []
+    for landing in (False, True):
+        model = copy.deepcopy(base)
+        with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            opt, extra = make_opt(pipe)
+            losses = []
+            for x, y in _data(2):
+                if extra == "accumulate":
+                    pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+                with caplog.at_level(logging.WARNING, logger="roundpipe"):
+                    if landing:
+                        losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                            loss_fn=_loss, step=opt))
+                    else:
+                        losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                            loss_fn=_loss))
+                        pipe.step(opt)
+            pipe.synchronize()
+            snap = _snapshot(pipe, opt)
+            snap["losses"] = losses
+            snap["grads"] = [p.grad for p in pipe.optim_parameters()]
+            if landing:
+                if extra != "accumulate":  # (between calls nothing is held)
+                    assert reason in pipe.landing_step(opt)
+        results.append(snap)
+    _equal(*results)
+    for a, b in zip(*(r["grads"] for r in results)):  # what stays held stays held
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    assert any(reason in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_failing_loss_in_a_later_microbatch_changes_nothing() -> None:
+    for bad in ("raise", "nan"):
+        with RoundPipe(_model(), devices=["cpu"] * 3, optim_dtype=torch.float32,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            opt = _adamw(pipe.optim_parameters())
+            (x, y), (x2, y2) = _data(2)
+            pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss, step=opt)
+            before = _snapshot(pipe, opt)
+            seen = []
+
+            def failing(o, t):
+                seen.append(1)
+                if len(seen) == 3:  # the last microbatch: earlier ones ran their backward
+                    if bad == "raise":
+                        raise ValueError("bad batch")
+                    return _loss(o, t) * float("nan")
+                return _loss(o, t)
+            with pytest.raises(Exception, match="bad batch|nothing was committed"):
+                pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=failing,
+                                      step=opt)
+            _equal(before, _snapshot(pipe, opt))
+            # and the pipe goes on as if the failed call had not been made
+            pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
+            after = _snapshot(pipe, opt)
+        with RoundPipe(_model(), devices=["cpu"] * 3, optim_dtype=torch.float32,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            opt = _adamw(pipe.optim_parameters())
+            for xi, yi in ((x, y), (x2, y2)):
+                pipe.forward_backward(input_args=(xi,), label=yi, loss_fn=_loss)
+                pipe.step(opt)
+            pipe.synchronize()
+            _equal(after, _snapshot(pipe, opt))
+
+
+def test_a_failure_after_a_unit_was_updated_refuses_calls_until_a_load() -> None:
+    with RoundPipe(_model(), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        (x, y), (x2, y2) = _data(2)
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss, step=opt)
+        checkpoint = (copy.deepcopy(pipe.state_dict()), copy.deepcopy(opt.state_dict()))
+        before = _snapshot(pipe, opt)
+        real, count = opt.step_landed, []
+
+        def third_unit_fails(*args, **kwargs):
+            count.append(1)
+            if len(count) == 3:
+                raise RuntimeError("injected")
+            return real(*args, **kwargs)
+        opt.step_landed = third_unit_fails
+        with pytest.raises(StepError, match="part-way"):
+            pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
+        del opt.step_landed
+        with pytest.raises(StepError, match="Load a checkpoint"):
+            pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
+        with pytest.raises(StepError, match="Load a checkpoint"):
+            pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss)
+        pipe.load_state_dict(checkpoint[0])
+        opt.load_state_dict(checkpoint[1])
+        pipe.synchronize()
+        _equal(before, _snapshot(pipe, opt))
+        pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
+
+
+def test_a_disk_read_failing_before_or_after_the_first_unit(tmp_path) -> None:
+    base = _model()
+    (x, y), (x2, y2) = _data(2)
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                   offload_dir=str(tmp_path / "a"),
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss, step=opt)
+        before = _snapshot(pipe, opt)
+        store = pipe._state.offload
+        reads = []
+
+        def fault(at):
+            def f(what, key):
+                if what == "read":
+                    reads.append(key)
+                    if len(reads) == at:
+                        raise OSError("injected read error")
+            return f
+        store.fault = fault(1)  # the first unit's read: nothing was updated
+        with pytest.raises(StepError, match="before it updated anything.*injected read"):
+            pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
+        store.fault = None
+        _equal(before, _snapshot(pipe, opt))
+        pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
+        after = _snapshot(pipe, opt)
+        reads.clear()
+        store.fault = fault(9)  # a later unit's read: refused until a load
+        with pytest.raises(StepError, match="part-way"):
+            pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
+        store.fault = None
+        with pytest.raises(StepError, match="Load a checkpoint"):
+            pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        for xi, yi in ((x, y), (x2, y2)):
+            pipe.forward_backward(input_args=(xi,), label=yi, loss_fn=_loss)
+            pipe.step(opt)
+        pipe.synchronize()
+        _equal(after, _snapshot(pipe, opt))
