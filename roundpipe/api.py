@@ -656,6 +656,7 @@ class RoundPipe:
             if reduction == "mean":
                 divisor.append(cfg.num_microbatch)
             self._optimizer.raise_if_failed()
+            self._landing.reset_peak()
             check_on_cpu(label, "label")
             entry, flat, mbs = self._prepare(input_args, input_kwargs, cfg)
             plan = merge_plan(entry, input_args, input_kwargs, mbs, cfg,
@@ -681,7 +682,8 @@ class RoundPipe:
                     nonfinite_loss_ok=self._nonfinite_loss_ok,
                     on_grads=landing[0].on_grads if landing else on_grads,
                     keep=tail_values(plan), hooks=hooks,
-                    on_losses=landing[0].on_losses if landing else None)
+                    on_losses=landing[0].on_losses if landing else None,
+                    admit=landing[0].admit if landing else None)
             except BaseException:
                 if landing is not None:
                     landing[0].end(False)
@@ -1448,7 +1450,8 @@ class RoundPipe:
                 disk_masters=store.disk_bytes("master/") if store is not None else 0,
                 disk_optimizer_state=(store.disk_bytes("state/") if store is not None
                                       else 0),
-                staging=store.staging.buffers() if store is not None else ())
+                staging=store.staging.buffers() if store is not None else (),
+                landing_peak=self._landing.peak_bytes)
 
         # Not under the call lock: a step_fn may call this while the caller waits for it.
         return self._optimizer.run(collect)

@@ -49,7 +49,6 @@ def _run(model: nn.Module, devices: int, landing: bool, *, make_opt=_adamw,
         opt = make_opt(pipe.optim_parameters())
         peaks = []
         for x, y in _data(steps, width):
-            pipe._landing.reset_peak()
             if landing:
                 losses.append(pipe.forward_backward(input_args=(x,), label=y,
                                                     loss_fn=_loss, step=opt))
@@ -58,7 +57,7 @@ def _run(model: nn.Module, devices: int, landing: bool, *, make_opt=_adamw,
                 losses.append(pipe.forward_backward(input_args=(x,), label=y,
                                                     loss_fn=_loss))
                 pipe.step(opt)
-            peaks.append(pipe._landing.peak_bytes)
+            peaks.append(pipe.host_memory().landing_peak)
         pipe.synchronize()
         state = {k: {n: v.clone() for n, v in s.items()}
                  for k, s in opt.state_dict()["state"].items()}

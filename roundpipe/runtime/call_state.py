@@ -63,6 +63,9 @@ class CallState:
     # Called once the fused job has every loss and checked them (a step that consumes
     # gradients as they land may update nothing before: a later loss could still fail).
     on_losses: Callable[[], None] | None = None
+    # admit(unit, abort) before a unit's final gradients are downloaded: waits while the
+    # step consuming them is a window of units behind (forward_backward(step=...)).
+    admit: Callable[[int, threading.Event], None] | None = None
     # (slot, unit) -> the gradient in its master's dtype, copied off the download buffer
     # once it landed (GradLanding); replaces param_grads when the call succeeds.
     converted: dict[tuple[str, int], Future] = field(default_factory=dict)

@@ -208,19 +208,22 @@ class Executor:
               nonfinite_loss_ok: bool = False,
               on_grads: Callable[..., None] | None = None,
               keep: frozenset[str] = frozenset(), hooks: HookPlan = NO_HOOKS,
-              on_losses: Callable[[], None] | None = None) -> RunResult:
+              on_losses: Callable[[], None] | None = None,
+              admit: Callable[..., None] | None = None) -> RunResult:
         """Forward stages, fused tail (loss + backward), backward stages.
 
         A NaN or infinite loss raises :class:`LossError` (nothing is committed) unless
         ``nonfinite_loss_ok`` (a GradScaler skips the step instead).  ``on_grads`` sees
         each unit's staged parameter gradients as soon as they are final (see
-        ``CallState``); ``on_losses()`` once every loss is in and checked.
+        ``CallState``); ``on_losses()`` once every loss is in and checked; ``admit(unit, abort)`` before a
+        unit's final gradients are downloaded.
         ``hooks``: where the parameters' autograd hooks run (runtime/param_hooks.py)."""
         call = self._new_call("train", inputs, labels, loss_fn, grain, want_outputs, keys,
                               fence_version, autocast=autocast)
         call.nonfinite_loss_ok = nonfinite_loss_ok
         call.on_grads = on_grads
         call.on_losses = on_losses
+        call.admit = admit
         call.keep = keep
         call.hooks = hooks
         return self._run(self._jobs(call, stash_for_backward=False), call)

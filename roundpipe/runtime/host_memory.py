@@ -48,7 +48,8 @@ class HostMemory:
         optimizer_state: the state tensors of the optimizer passed to
             ``host_memory(optimizer)`` (moments, step counts); 0 without one.
         landing: gradient download buffers, and converted gradients kept for refilling
-            that no ``.grad`` holds now.
+            that no ``.grad`` holds now.  After ``forward_backward(..., step=opt)``
+            stepped as gradients landed: the pool of at most two units' buffers.
         constants: tensors the traced programs carry (made at trace time).
         pinned: of all the above, the bytes in page-locked memory (CUDA only).
         trainable_params: the number of elements of the trainable parameters.
@@ -61,6 +62,11 @@ class HostMemory:
             steps (``runtime/offload.py``'s ``StagingPool``: at most the peak of its
             window, a few units of masters and state); during a step the buffers in use
             count as the masters and state staged in them.
+        landing_peak: the most bytes the gradient download buffers held at once since
+            the last ``forward_backward`` began (not a category: a peak, not a holding).
+            The whole model's gradients in the model's dtype when the step follows the
+            call; a window of units when ``forward_backward(..., step=opt)`` stepped as
+            they landed.
     """
 
     weights: int
@@ -76,6 +82,7 @@ class HostMemory:
     disk_masters: int = 0
     disk_optimizer_state: int = 0
     staging: int = 0
+    landing_peak: int = 0
 
     @property
     def disk_total(self) -> int:
@@ -107,6 +114,9 @@ class HostMemory:
         text = tabulate(rows, headers=["host memory", "MiB", "B/trainable param"])
         text += (f"\n{self.bytes_per_param():.2f} B per trainable parameter beyond the "
                  f"weights; {self.pinned / 2**20:,.1f} MiB pinned")
+        if self.landing_peak:
+            text += (f"\ngradient landing at its peak in the last call: "
+                     f"{self.landing_peak / 2**20:,.1f} MiB")
         if self.disk_total:
             n = max(self.trainable_params, 1)
             text += (f"\non disk (offload_dir): masters {self.disk_masters / 2**20:,.1f} "
@@ -160,7 +170,8 @@ def host_memory(weights: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]
                 landing: Sequence[torch.Tensor], constants: Sequence[torch.Tensor],
                 trainable_params: int, devices: Sequence[DeviceCopies] = (),
                 disk_masters: int = 0, disk_optimizer_state: int = 0,
-                staging: Sequence[torch.Tensor] = ()) -> HostMemory:
+                staging: Sequence[torch.Tensor] = (),
+                landing_peak: int = 0) -> HostMemory:
     sizes, pinned = count_storages({
         "weights": weights, "masters": masters, "prediction": prediction,
         "gradients": [g for g in gradients if g is not None],
@@ -168,4 +179,5 @@ def host_memory(weights: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]
         "landing": landing, "constants": constants, "staging": staging})
     return HostMemory(**sizes, pinned=pinned, trainable_params=trainable_params,
                       devices=tuple(devices), disk_masters=disk_masters,
-                      disk_optimizer_state=disk_optimizer_state)
+                      disk_optimizer_state=disk_optimizer_state,
+                      landing_peak=landing_peak)

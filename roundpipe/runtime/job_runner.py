@@ -194,6 +194,8 @@ class JobRunner:
             if self._converts():
                 self._stage_grads(unit.index)
             return
+        if call.admit is not None:  # a step consuming gradients as they land
+            call.admit(unit.index, call.abort)
         staged = self._stage_grads(unit.index)
         hook, start = call.on_grads, unit.index
 

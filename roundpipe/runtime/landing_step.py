@@ -28,6 +28,9 @@ import torch
 from .grad_landing import GradLanding
 from .masters import UnitSchedule
 
+#: units whose gradients may be downloaded and not yet consumed by their update
+WINDOW = 2
+
 
 class LandingStep:
     """The link between one training call's backward and its step.
@@ -50,6 +53,13 @@ class LandingStep:
         self._gate = False   # every loss is in and finite
         self._ended: bool | None = None  # the call returned (True) or raised (False)
         self.updated = 0     # units whose update ran
+        # The window: a unit's gradients are downloaded (admit) only while fewer than
+        # WINDOW admitted units wait for their update, or when it is the unit the
+        # update waits for; so the buffers in use are a few units whatever the timing.
+        self._admitted: set[int] = set()
+        self._consumed: set[int] = set()
+        self._next = len(units) - 1  # the unit the update waits for
+        self._stopped = False        # the update ended (done or failed)
 
     # --- the call's side (device threads, download waiters) ---------------------------------
     def on_grads(self, start: int, stop: int,
@@ -59,6 +69,17 @@ class LandingStep:
                 self._grads.setdefault(uid, []).append((slot, uid, t))
             self._final.update(range(start, stop))
             self._cond.notify_all()
+
+    def admit(self, k: int, abort: threading.Event) -> None:
+        """Before unit ``k``'s gradients are downloaded (on its device's thread): wait
+        while the window is full and ``k`` is not the unit the update needs next.  Polls
+        ``abort`` (a failed job), so a failure elsewhere never leaves it waiting."""
+        with self._cond:
+            while (len(self._admitted - self._consumed) >= WINDOW and k < self._next
+                   and not self._stopped and self._ended is None
+                   and not abort.is_set()):
+                self._cond.wait(0.05)
+            self._admitted.add(k)
 
     def on_losses(self) -> None:
         with self._cond:
@@ -91,8 +112,20 @@ class LandingStep:
             stage: Callable[[list[tuple[torch.Tensor, str]]], None] | None) -> bool:
         """Update every unit as its gradients land; False if the call failed first
         (``schedule.started`` says whether some unit was updated)."""
+        try:
+            return self._run(schedule, stage)
+        finally:
+            with self._cond:
+                self._stopped = True
+                self._cond.notify_all()
+
+    def _run(self, schedule: UnitSchedule,
+             stage: Callable[[list[tuple[torch.Tensor, str]]], None] | None) -> bool:
         n = len(self.units)
         for i, k in enumerate(reversed(range(n))):
+            with self._cond:
+                self._next = k
+                self._cond.notify_all()
             if not self._ready(k):
                 return False
             with self._cond:
@@ -106,4 +139,7 @@ class LandingStep:
             self.updated += 1
             # the gradients are consumed: a later unit's download reuses their buffers
             self.landing.recycle([(uid, slot) for slot, uid, _ in staged])
+            with self._cond:
+                self._consumed.add(k)
+                self._cond.notify_all()
         return True
