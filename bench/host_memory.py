@@ -18,9 +18,13 @@ A configuration is ``<model dtype>-<masters dtype or none>-<optimizer>``, optimi
 last with bf16 moments), stepped asynchronously as in training (so the staged weights of
 one step and the next call's gradients hold two landing buffer sets).  ``rpadamwdisk``
 is ``roundpipe.optim.AdamW`` with the disk tier (``offload_dir`` under ``--offload-dir``),
-stepped exactly unit by unit (``pipe.step(opt)``); its row also gives the process's peak
-resident set (``VmHWM``) against the peak the accounting implies (weights, landed
-gradients, the staging window's peak, the virtual device's copies at the peak of a call).
+stepped exactly unit by unit (``pipe.step(opt)``); ``rpadamwdisklanding`` the same with
+``forward_backward(..., step=opt)``, which consumes each unit's gradients as they land
+(a window of units held, not the model's).  Their rows also give the process's peak
+resident set (``VmHWM``) against the peak the accounting implies (weights, the landed
+gradients' measured peak, the staging window's peak, the virtual device's copies at the
+peak of a call).  Every row gives the landing buffers' peak during a call
+(``host_memory().landing_peak``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 CONFIGS = ("fp32-none-sgd", "fp32-none-adamw", "bf16-fp32-sgd", "bf16-fp32-adamw",
            "bf16-fp32-lora", "bf16-fp32-rpsgd", "bf16-fp32-rpadamw", "bf16-fp32-rpadamwbf16",
-           "bf16-fp32-rpadamwdisk")
+           "bf16-fp32-rpadamwdisk", "bf16-fp32-rpadamwdisklanding")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "none": None}
 
 
@@ -90,6 +94,8 @@ def run_one(config: str, params_millions: int, steps: int, width: int = 4096,
     from progress import Progress
 
     model_dtype, master, optim = config.split("-")
+    landing = optim.endswith("landing")
+    optim = optim.removesuffix("landing")
     disk = optim.endswith("disk")
     layers = max(2, round(params_millions * 1e6 / (width * width + width)))
     base = rss_bytes()
@@ -110,13 +116,17 @@ def run_one(config: str, params_millions: int, steps: int, width: int = 4096,
                                                          state_dtype=torch.bfloat16),
            "rpadamwdisk": lambda: roundpipe.optim.AdamW(params, lr=1e-4),
            }[optim]()
-    peak_device = 0
+    peak_device = peak_landing = 0
     progress = Progress(range(steps), steps, config)
     for _ in progress:
-        pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
-        peak_device = max(peak_device, sum(d.peak_bytes_last_call
-                                           for d in pipe.host_memory().devices))
-        if disk:
+        pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean(),
+                              step=opt if landing else None)
+        mem = pipe.host_memory()
+        peak_device = max(peak_device, sum(d.peak_bytes_last_call for d in mem.devices))
+        peak_landing = max(peak_landing, mem.landing_peak)
+        if landing:  # the call was the whole step
+            pass
+        elif disk:
             pipe.step(opt)  # exact, unit by unit: at most three units staged
             pipe.synchronize()
         else:
@@ -125,8 +135,10 @@ def run_one(config: str, params_millions: int, steps: int, width: int = 4096,
             pipe.synchronize()
         progress.show(rss_gib=f"{(rss_bytes() - base) / 2**30:.2f}")
     progress.close()
-    # The steady state between calls: the last call's gradients committed, not stepped.
-    pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
+    # The steady state between calls: the last call's gradients committed, not stepped
+    # (stepping as they land, none is held between calls).
+    pipe.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean(),
+                          step=opt if landing else None)
     pipe.synchronize()
     grown = rss_bytes() - base
     mem = pipe.host_memory(opt)
@@ -136,16 +148,20 @@ def run_one(config: str, params_millions: int, steps: int, width: int = 4096,
               "accounted": mem.total, "device_copies": devices,
               "per_param": {c: mem.bytes_per_param(c) for c in
                             ("masters", "gradients", "optimizer_state", "landing")},
-              "beyond_weights": mem.bytes_per_param(), "weights": mem.weights}
+              "beyond_weights": mem.bytes_per_param(), "weights": mem.weights,
+              "landing_peak": max(peak_landing, mem.landing_peak)}
     if disk:
         store = pipe.offload_stats()
-        # the most at once: weights, landed bf16 gradients, the staging window, the
-        # device's copies during a call (the step and the call do not overlap here)
-        landing = mem.trainable_params * 2
+        # the most at once: weights, landed bf16 gradients (their measured peak), the
+        # staging window, the device's copies during a call
+        landing_peak = result["landing_peak"]
+        # stepping as gradients land, the step's staging runs during the call, beside
+        # the device's copies (virtual CPU devices: host memory; a GPU's are not)
+        during = (store.peak_staged_bytes + peak_device if landing
+                  else max(store.peak_staged_bytes, peak_device))
         result.update(peak_rss_growth=peak_rss_bytes() - base,
                       peak_staged=store.peak_staged_bytes, disk=mem.disk_total,
-                      accounted_peak=mem.weights + landing + max(store.peak_staged_bytes,
-                                                                 peak_device))
+                      accounted_peak=mem.weights + landing_peak + during)
     pipe.close()
     if tier:
         import shutil
@@ -187,7 +203,7 @@ def main() -> None:
                      f"{r['rss_growth'] / r['accounted']:.3f}",
                      *(f"{r['per_param'][c]:.2f}" for c in
                        ("masters", "gradients", "optimizer_state", "landing")),
-                     f"{r['beyond_weights']:.2f}"])
+                     f"{r['beyond_weights']:.2f}", f"{r['landing_peak'] / 2**20:.1f}"])
         if "peak_rss_growth" in r:
             disk_rows.append([config, f"{r['peak_rss_growth'] / 2**30:.2f}",
                               f"{r['accounted_peak'] / 2**30:.2f}",
@@ -197,7 +213,7 @@ def main() -> None:
     print(tabulate(rows, headers=[
         "config", "params", "trainable", "RSS growth GiB", "accounted GiB",
         "device copies GiB (peak, freed)", "RSS / accounted", "masters B/p", "grads B/p",
-        "optim B/p", "landing B/p", "beyond weights B/p"]))
+        "optim B/p", "landing B/p", "beyond weights B/p", "landing peak MiB"]))
     if disk_rows:
         print(tabulate(disk_rows, headers=[
             "disk tier", "peak RSS growth GiB", "accounted peak GiB", "peak / accounted",

@@ -744,13 +744,11 @@ class RoundPipe:
         blocker = self._overlap_blocker(optimizer, record=False)
         if blocker is not None:
             return blocker
-        masters = {id(m) for _, m in state.named_masters()}
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [n for n, m in state.named_masters() if id(m) not in stepped]
         if missing:
             return (f"the optimizer does not step the master {missing[0]!r}, whose "
                     "gradient would then stay held")
-        del masters
         held = [n for n, m in state.named_masters()
                 if raw_grad(m) is not None or state.landed.has_landed(n)]
         if held:

@@ -109,10 +109,13 @@ def test_it_is_invariant_to_the_device_count() -> None:
 
 
 @pytest.mark.parametrize("devices", [1, 3])
-def test_with_the_disk_tier_it_is_bitwise_the_in_memory_plain_step(devices, tmp_path) -> None:
+@pytest.mark.parametrize("make_opt", [_adamw, _sgd, _adamw_bf16],
+                         ids=["adamw", "sgd", "adamw-bf16-state"])
+def test_with_the_disk_tier_it_is_bitwise_the_in_memory_plain_step(devices, make_opt,
+                                                                    tmp_path) -> None:
     base = _model()
-    plain = _run(copy.deepcopy(base), 1, landing=False)
-    tiered = _run(copy.deepcopy(base), devices, landing=True,
+    plain = _run(copy.deepcopy(base), 1, landing=False, make_opt=make_opt)
+    tiered = _run(copy.deepcopy(base), devices, landing=True, make_opt=make_opt,
                   offload_dir=str(tmp_path / "tier"))
     _equal(plain, tiered)
     # the masters stay in their files (but those small enough to stay resident)
@@ -325,3 +328,34 @@ def test_a_disk_read_failing_before_or_after_the_first_unit(tmp_path) -> None:
             pipe.step(opt)
         pipe.synchronize()
         _equal(after, _snapshot(pipe, opt))
+
+
+def test_a_disk_tier_stepped_as_gradients_land_resumes_bitwise(tmp_path) -> None:
+    base = _model()
+    data = _data(3)
+    tier = str(tmp_path / "tier")
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 3, optim_dtype=torch.float32,
+                   offload_dir=tier,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        for x, y in data[:2]:
+            pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss, step=opt)
+    model = copy.deepcopy(base)
+    with RoundPipe(model, devices=["cpu"] * 3, optim_dtype=torch.float32,
+                   offload_dir=tier, offload_resume=True,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        x, y = data[2]
+        loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss, step=opt)
+        resumed = _snapshot(pipe, opt)
+        resumed["losses"] = [loss]
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"], optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        for x, y in data:
+            loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+            pipe.step(opt)
+        pipe.synchronize()
+        plain = _snapshot(pipe, opt)
+        plain["losses"] = [loss]
+    _equal(plain, resumed)
