@@ -11,6 +11,7 @@ import copy
 import logging
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -359,3 +360,40 @@ def test_a_disk_tier_stepped_as_gradients_land_resumes_bitwise(tmp_path) -> None
         plain = _snapshot(pipe, opt)
         plain["losses"] = [loss]
     _equal(plain, resumed)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(depth=st.integers(2, 5), devices=st.integers(1, 3), microbatches=st.integers(1, 3),
+       frozen=st.lists(st.booleans(), min_size=5, max_size=5), sgd=st.booleans())
+def test_property_any_depth_devices_microbatches_and_frozen_layers(
+        depth, devices, microbatches, frozen, sgd) -> None:
+    """Frozen layers (units with no gradient, a frozen prefix the backward never
+    reaches), any microbatch count and device count: bitwise the plain order."""
+    frozen = frozen[:depth]
+    if all(frozen):
+        frozen[-1] = False
+    base = _model(depth=depth)
+    for layer, off in zip(base, frozen):
+        layer.requires_grad_(not off)
+    results = []
+    for landing in (False, True):
+        model = copy.deepcopy(base)
+        with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=microbatches)
+                       ) as pipe:
+            opt = (_sgd if sgd else _adamw)(pipe.optim_parameters())
+            losses = []
+            for x, y in _data(2):
+                if landing:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=_loss, step=opt))
+                    assert pipe.landing_step(opt) == "as gradients land"
+                else:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=_loss))
+                    pipe.step(opt)
+            pipe.synchronize()
+            snap = _snapshot(pipe, opt)
+            snap["losses"] = losses
+        results.append(snap)
+    _equal(*results)
