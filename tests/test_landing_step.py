@@ -315,7 +315,12 @@ def test_a_disk_read_failing_before_or_after_the_first_unit(tmp_path) -> None:
         pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
         after = _snapshot(pipe, opt)
         reads.clear()
-        store.fault = fault(9)  # a later unit's read: refused until a load
+
+        def after_two_units(what, key):  # a read once two units were updated
+            schedule = pipe._state.landed.unit_schedule
+            if what == "read" and schedule is not None and schedule.finished >= 2:
+                raise OSError("injected read error")
+        store.fault = after_two_units  # refused until a load
         with pytest.raises(StepError, match="part-way"):
             pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
         store.fault = None
