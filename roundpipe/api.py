@@ -744,6 +744,9 @@ class RoundPipe:
         blocker = self._overlap_blocker(optimizer, record=False)
         if blocker is not None:
             return blocker
+        if self._optimizer.pending_steps():
+            # a step in flight still reads (and then drops) the last call's gradients
+            self._optimizer.wait()
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [n for n, m in state.named_masters() if id(m) not in stepped]
         if missing:

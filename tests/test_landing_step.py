@@ -402,3 +402,34 @@ def test_property_any_depth_devices_microbatches_and_frozen_layers(
             snap["losses"] = losses
         results.append(snap)
     _equal(*results)
+
+
+def test_after_an_overlapped_plain_step_the_next_call_steps_as_gradients_land() -> None:
+    """A plain ``pipe.step(opt)`` still in flight holds the last call's gradients until
+    its zero_grad: the next ``step=`` call waits for it rather than falling back."""
+    base = _model()
+    data = _data(3)
+    results = []
+    for landing in (False, True):
+        with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            opt = _adamw(pipe.optim_parameters())
+            losses = []
+            for i, (x, y) in enumerate(data):
+                if landing and i > 0:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=_loss, step=opt))
+                    # the plain call's kept buffers are freed as its units are
+                    # updated: the second such call starts without them
+                    if i == 2:
+                        assert pipe._landing.peak_bytes < sum(
+                            p.numel() * 2 for p in base.parameters())
+                else:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=_loss))
+                    pipe.step(opt)  # overlapped with the next call
+            pipe.synchronize()
+            snap = _snapshot(pipe, opt)
+            snap["losses"] = losses
+        results.append(snap)
+    _equal(*results)
