@@ -433,3 +433,41 @@ def test_after_an_overlapped_plain_step_the_next_call_steps_as_gradients_land() 
             snap["losses"] = losses
         results.append(snap)
     _equal(*results)
+
+
+def test_buffers_dropped_from_the_pool_are_freed_during_the_call() -> None:
+    """Units of different shapes cannot reuse each other's buffers: those the pool
+    drops must be freed at once, not kept alive by the call until it returns."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    widths = [8, 10, 12, 14, 16, 18, 20, 22]
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(a, b), nn.Tanh())
+                            for a, b in zip(widths, widths[1:]))).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 8, generator=g).to(torch.bfloat16)
+    y = torch.randn(6, 22, generator=g).to(torch.bfloat16)
+    with RoundPipe(model, devices=["cpu"], optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        landing = pipe._landing
+        dropped: list = []
+        alive_at_the_end: list[int] = []
+        real_disown, real_recycle = landing._disown, landing.recycle
+
+        def disown(t):
+            dropped.append(weakref.ref(t))
+            real_disown(t)
+
+        def recycle(keys):
+            real_recycle(keys)
+            if keys and min(uid for uid, _ in keys) == 0:  # the last unit updated
+                gc.collect()
+                alive_at_the_end.append(sum(r() is not None for r in dropped))
+        landing._disown, landing.recycle = disown, recycle
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss, step=opt)
+        assert pipe.landing_step(opt) == "as gradients land"
+    assert len(dropped) >= 4  # shapes differ: the pool drops
+    # (the last two units' buffers are the pool's, one was just dropped by the caller)
+    assert alive_at_the_end and alive_at_the_end[0] <= 1, (alive_at_the_end, len(dropped))

@@ -170,9 +170,13 @@ class JobRunner:
                     landed, g, self.ex.grad_dtype(slot), self.call.steps,
                     functools.partial(self.ex.host.has_no_grad, slot), key=(uid, slot))
                     for slot, uid, g in single}
+        # A step consuming gradients as they land (admit) frees or reuses each buffer
+        # once its unit is updated: the call keeps only their shapes (for its stats).
+        landing = self.call.admit is not None
         with self.call.lock:
             for slot, uid, g in staged:
-                self.call.param_grads.setdefault(slot, []).append((uid, g))
+                self.call.param_grads.setdefault(slot, []).append(
+                    (uid, torch.empty_like(g, device="meta") if landing else g))
             self.call.converted.update(converted)
             self.call.in_place.update(in_place)
             self.call.grad_norms.update(norms)
