@@ -1559,7 +1559,11 @@ def compile(  # noqa: A001 - the documented name
     pipe = RoundPipe(model, **options)
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
-    pipe.compile(example_args, example_kwargs)
+    try:
+        pipe.compile(example_args, example_kwargs)
+    except BaseException:
+        pipe.close()  # its threads, and its offload_dir's lock, go with the error
+        raise
     return pipe
 
 

@@ -1072,6 +1072,24 @@ def test_a_pipe_dropped_without_close_frees_its_directory_once_collected(tmp_pat
         assert again._steps == 1
 
 
+
+def test_a_failed_roundpipe_compile_leaves_its_directory_free(tmp_path):
+    """roundpipe.compile(..., offload_dir=) whose tracing fails closes the pipe it made:
+    with the error (and its traceback, which holds that pipe) kept, as a notebook keeps
+    the last one, a new pipe opens the directory (before, the pipe was left open, its
+    threads running and the directory locked)."""
+    model, args, kwargs = _model()
+    with pytest.raises(Exception) as failed:
+        roundpipe.compile(copy.deepcopy(model),
+                          example_args=(torch.randn(8, 3).to(torch.bfloat16),),
+                          optim_dtype=torch.float32, devices=["cpu"],
+                          offload_dir=tmp_path / "t")
+    assert failed.tb is not None
+    with RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=torch.float32,
+                   offload_dir=tmp_path / "t") as pipe:
+        assert pipe.offload_stats() is not None
+
+
 def test_a_run_whose_scheduler_changes_group_keys_resumes(tmp_path):
     """OneCycleLR adds keys to the optimizer's groups (max_lr, min_lr, base/max_momentum)
     and sets AdamW's betas when it is made, after the optimizer: the manifest records the
