@@ -1197,3 +1197,22 @@ def test_a_mixed_state_is_not_saved(tmp_path, how):
         save_checkpoint(tmp_path / "after.pt", pipe, opt)
     finally:
         pipe.close()
+
+
+def test_a_directory_resumes_on_another_device_count_bitwise(tmp_path):
+    """Nothing in the directory depends on the devices: two steps on one device, resumed
+    on three, one more step equals three uninterrupted steps on one device bit for bit
+    (as device-count invariance has it for a run in memory)."""
+    model, args, kwargs = _model()
+    fresh = copy.deepcopy(model)
+    ref, ref_opt = _train(copy.deepcopy(model), args, kwargs, 1, "AdamW", None)
+    pipe, _ = _train(model, args, kwargs, 1, "AdamW", None, steps=2,
+                     offload_dir=tmp_path / "t")
+    pipe.close()
+    again, opt = _train(fresh, args, kwargs, 3, "AdamW", None, steps=1, by_unit=True,
+                        offload_dir=tmp_path / "t", offload_resume=True)
+    try:
+        _assert_equal(_snapshot(again, opt), _snapshot(ref, ref_opt))
+    finally:
+        again.close()
+        ref.close()
