@@ -471,3 +471,33 @@ def test_buffers_dropped_from_the_pool_are_freed_during_the_call() -> None:
     assert len(dropped) >= 4  # shapes differ: the pool drops
     # (the last two units' buffers are the pool's, one was just dropped by the caller)
     assert alive_at_the_end and alive_at_the_end[0] <= 1, (alive_at_the_end, len(dropped))
+
+
+def test_parameter_hooks_run_per_microbatch_on_the_device_and_step_as_gradients_land(
+        ) -> None:
+    """A hook on a parameter one unit reads runs on each microbatch's gradient on the
+    device, before it lands: it does not stop the landing step, and the result is the
+    plain order's bitwise."""
+    base = _model()
+    results = []
+    for landing in (False, True):
+        model = copy.deepcopy(base)
+        model[2][0].weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+        with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            opt = _adamw(pipe.optim_parameters())
+            losses = []
+            for x, y in _data(2):
+                if landing:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=_loss, step=opt))
+                    assert pipe.landing_step(opt) == "as gradients land"
+                else:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=_loss))
+                    pipe.step(opt)
+            pipe.synchronize()
+            snap = _snapshot(pipe, opt)
+            snap["losses"] = losses
+        results.append(snap)
+    _equal(*results)
