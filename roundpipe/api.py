@@ -692,16 +692,14 @@ class RoundPipe:
             loss = sum_losses(result.losses)
             if landing is not None:
                 landing[0].end(True)
-                self._optimizer.wait()  # the step's failure is the call's (StepError)
-                result = dataclasses.replace(result, param_grads={}, grads_owned=frozenset(),
-                                             grads_holdable=frozenset(), grad_norms={})
-            if dp_call is not None:
-                # A failed step here must fail the call on every replica, before any commits.
-                self._optimizer.wait()
-                loss = dp_call.complete(result, loss)
-            self._finish(entry, result, hooks=hooks)
-            if landing is not None:
-                self._steps += 1
+                self._commit_landed(landing[0], entry, result)
+            else:
+                if dp_call is not None:
+                    # A failed step here must fail the call on every replica, before any
+                    # commits.
+                    self._optimizer.wait()
+                    loss = dp_call.complete(result, loss)
+                self._finish(entry, result, hooks=hooks)
             if dp_call is not None:
                 self._sync_replica_buffers(entry)
             loss = returned_loss(loss)
@@ -764,7 +762,8 @@ class RoundPipe:
         if entry is None:
             return None
         if hooks is not None and hooks.at_commit:
-            return (f"parameter hooks on {sorted(hooks.at_commit)[0]!r} run on its "
+            slot = sorted(hooks.at_commit)[0]
+            return (f"parameter hooks on {entry.host.specs[slot].fqn!r} run on its "
                     "gradient summed at the commit")
         program, specs = entry.plan.program, entry.host.specs
         readers = collections.Counter(specs[s].fqn for u in program.units for s in u.state
@@ -812,6 +811,24 @@ class RoundPipe:
 
         self._optimizer.step_landing(landing, on_enqueue=on_enqueue)
         return landing, before
+
+    def _commit_landed(self, landing: LandingStep, entry: CompiledProgram,
+                       result: RunResult) -> None:
+        """The call of a landing step succeeded: once the step has ended whole, commit
+        the call's buffer updates and count the call and the step, on the optimizer
+        thread right after the step (an interrupt of the caller cannot part them); a
+        failed step commits nothing and raises here (StepError)."""
+        def commit() -> None:
+            if landing.future is None or landing.future.exception() is not None:
+                return  # the step failed: the call changed nothing, or the pipe is mixed
+            entry.host.commit({}, result.buffers)
+            self._stats = result.stats
+            self._calls += 1
+            self._steps += 1
+
+        done = self._optimizer.submit(commit)
+        self._optimizer.wait()  # the step's failure is the call's
+        done.result()
 
     def _landing_failed(self) -> None:
         """The call of a landing step failed: wait for the step to stop; it changed

@@ -501,3 +501,37 @@ def test_parameter_hooks_run_per_microbatch_on_the_device_and_step_as_gradients_
             snap["losses"] = losses
         results.append(snap)
     _equal(*results)
+
+
+def test_an_interrupt_while_the_call_waits_for_its_step_parts_nothing() -> None:
+    """Ctrl-C while the call waits for the last units' update: the step ends whole on
+    the optimizer thread and the call's commit (buffers, call and step counts) follows
+    it there, so the pipe is as after the uninterrupted call."""
+    base = _model()
+    data = _data(2)
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        pipe.forward_backward(input_args=(data[0][0],), label=data[0][1], loss_fn=_loss,
+                              step=opt)
+        real_wait = pipe._optimizer.wait
+
+        def interrupted() -> None:
+            pipe._optimizer.wait = real_wait
+            raise KeyboardInterrupt
+        pipe._optimizer.wait = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            pipe.forward_backward(input_args=(data[1][0],), label=data[1][1],
+                                  loss_fn=_loss, step=opt)
+        pipe.synchronize()
+        landed = _snapshot(pipe, opt)
+        counts = (pipe.call_number, pipe._steps)
+    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        for x, y in data:
+            pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+            pipe.step(opt)
+        pipe.synchronize()
+        _equal(_snapshot(pipe, opt), landed)
+        assert counts == (pipe.call_number, pipe._steps) == (2, 2)

@@ -21,6 +21,7 @@ that fails part-way does.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
@@ -53,6 +54,7 @@ class LandingStep:
         self._gate = False   # every loss is in and finite
         self._ended: bool | None = None  # the call returned (True) or raised (False)
         self.updated = 0     # units whose update ran
+        self.future: Future | None = None  # the step on the optimizer thread
         # The window: a unit's gradients are downloaded (admit) only while fewer than
         # WINDOW admitted units wait for their update, or when it is the unit the
         # update waits for; so the buffers in use are a few units whatever the timing.

@@ -216,7 +216,7 @@ class OptimizerWorker:
         (``runtime/landing_step.py``); returns its fence version.  The caller made sure
         no older step is pending or unpublished, and tells ``step`` how the call ended."""
         version = self._schedule(on_enqueue)
-        future = self._executor.submit(self._run_landing, step, version)
+        future = step.future = self._executor.submit(self._run_landing, step, version)
         self._landing.add(future)
         self._pending.append(future)
         return version
