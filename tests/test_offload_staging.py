@@ -116,7 +116,7 @@ def test_direct_io_of_staged_tensors_needs_no_bounce_copy(tmp_path, monkeypatch)
     store = offload.OffloadStore(tmp_path / "s")
     if not store._direct:
         store.close()
-        pytest.skip("the file system under tmp_path refuses O_DIRECT")
+        pytest.skip(reason="the file system under tmp_path refuses O_DIRECT")
     try:
         g = torch.Generator().manual_seed(1)
         tensors = {f"t{i}": torch.randn(n, generator=g) for i, n in

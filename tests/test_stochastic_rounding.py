@@ -251,7 +251,7 @@ def test_results_do_not_depend_on_threads_chunks_or_blocks(kernel, cls, kwargs, 
     path in small chunks: bitwise the same.  A smaller block (the element index's split
     into key and counter) changes the bits, both paths alike."""
     if kernel == "native" and LIB is None:
-        pytest.skip("no native kernels")
+        pytest.skip(reason="no native kernels (no C compiler)")
     params = _params()
     ref, ref_opt = _steps(cls, kernel, params, threads=1, **kwargs)
     for threads in (2, 3):
@@ -277,7 +277,7 @@ def test_the_update_is_torchs_adamw_rounded_either_way(kernel):
     AdamW result on the same values (or that value), and the rounding errors average
     out; round-to-nearest (torch's fused AdamW on bf16) differs in many elements."""
     if kernel == "native" and LIB is None:
-        pytest.skip("no native kernels")
+        pytest.skip(reason="no native kernels (no C compiler)")
     params = _params(3, sizes=(50_000,))
     kw = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
     got, _ = _steps(roundpipe.optim.AdamW, kernel, params, steps=1, **kw)

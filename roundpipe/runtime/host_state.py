@@ -356,12 +356,16 @@ class ModelState:
             previous.copy_(master)
 
     # --- the disk tier's step -------------------------------------------------------------
+    def _tier(self) -> OffloadStore:
+        if self.offload is None:  # only the tier's own paths call this
+            raise OffloadError("internal: a disk-tier step on a pipe without offload_dir")
+        return self.offload
+
     def offload_begin(self, schedule: UnitSchedule | None = None) -> UnitSchedule:
         """A step starts: mark what a failure rolls back to, and set the unit schedule
         along which a bound optimizer's update stages the masters and state (wrapping
         ``schedule``'s callbacks, a publishing one, where given)."""
-        store = self.offload
-        assert store is not None
+        store = self._tier()
         store.begin()
         # what the store holds state for: the masters, or without them (stochastic
         # rounding) the parameters the optimizer updates in place
@@ -417,8 +421,7 @@ class ModelState:
         """A step ended whole: its writes finish, state the optimizers made goes to the
         files, and the manifest names the new slots (step k + 1 is committed), with the
         pipe's counters as they were when step ``version`` was enqueued."""
-        store = self.offload
-        assert store is not None
+        store = self._tier()
         if version is not None and version in self.step_counters:
             self.counters = self.step_counters.pop(version)
             for v in [v for v in self.step_counters if v < version]:
@@ -438,8 +441,7 @@ class ModelState:
         """Put every state tensor the bound optimizers keep for this pipe's masters into
         the files (ones made since the last step, or replaced by a load); the small ones
         (step counts) stay resident."""
-        store = self.offload
-        assert store is not None
+        store = self._tier()
         for opt in list(self.landed.optimizers if optimizers is None else optimizers):
             for p, state in list(opt.state.items()):  # type: ignore[attr-defined]
                 owner = tier_owner_of(p)
@@ -463,9 +465,9 @@ class ModelState:
 
     def _absorb_loaded(self, optimizer: object) -> None:
         """An optimizer's state was loaded: into the files, committed."""
-        assert self.offload is not None
+        store = self._tier()
         self.absorb_optimizer_state([optimizer])
-        self.offload.commit()
+        store.commit()
 
     # --- the disk tier's record of what it belongs to, and resuming from it ---------------
     def _model_fingerprint(self) -> dict[str, object]:
@@ -524,8 +526,7 @@ class ModelState:
         return json.loads(json.dumps(out, default=repr))
 
     def _before_commit(self) -> None:
-        store = self.offload
-        assert store is not None
+        store = self._tier()
         store.meta["pipe"] = dict(self.counters)
         fingerprints = self._optimizer_fingerprints()
         if store.resumed is not None:  # the run's, for the state no optimizer took yet
@@ -538,9 +539,8 @@ class ModelState:
         store.meta["values"] = self._value_digests()
 
     def _mismatch(self, what: str) -> OffloadMismatchError:
-        assert self.offload is not None
         return OffloadMismatchError(
-            f"offload_dir {self.offload.directory!r} holds the state of step "
+            f"offload_dir {self._tier().directory!r} holds the state of step "
             f"{self.offload.step} of a run with another {what}. Nothing was resumed: "
             "resume it with the model (and optimizer) it was written for, or pass another "
             "offload_dir (or remove this one) to start afresh")
@@ -548,8 +548,9 @@ class ModelState:
     def _resume_masters(self) -> None:
         """Check that the resumed directory belongs to this model, then adopt its
         masters and publish them into the model's weights (as after a synchronize)."""
-        store = self.offload
-        assert store is not None and store.resumed is not None
+        store = self._tier()
+        if store.resumed is None:
+            raise OffloadError("internal: adopting a directory that was not resumed")
         meta = store.resumed["meta"]
         theirs, mine = meta.get("model") or {}, store.meta["model"]
         for field in ("class", "optim_dtype"):
@@ -677,8 +678,7 @@ class ModelState:
                 if isinstance(t, torch.Tensor)}
 
     def _fail_load(self, error: BaseException | None) -> None:
-        store = self.offload
-        assert store is not None
+        store = self._tier()
         store.release_without_commit()
         self.offload_rollback()
         if (store.bytes_written != self._held_written
@@ -694,8 +694,7 @@ class ModelState:
     def offload_rollback(self) -> None:
         """A step failed: drop what it staged and wrote, point every tensor back at the
         slot it was in when the step began, and drop optimizer state it made."""
-        store = self.offload
-        assert store is not None
+        store = self._tier()
         self.landed.unit_schedule = None
         window, self._window = self._window, None
         if window is not None:
