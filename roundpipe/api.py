@@ -797,7 +797,8 @@ class RoundPipe:
         publish = [tuple(dict.fromkeys(specs[s].fqn for s in u.state
                                        if specs[s].kind == "parameter"))
                    for u in program.units]
-        landing = LandingStep(optimizer, groups, masters, units, publish, self._landing)
+        landing = LandingStep(optimizer, groups, masters, units, publish, self._landing,
+                              self._state.take_outside_grads)
         before = self._state.fences.target
         calls, self._calls = self._calls, self._calls + 1  # as counted when step() runs
         counters = self._counters(steps=self._steps + 1)

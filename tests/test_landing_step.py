@@ -535,3 +535,86 @@ def test_an_interrupt_while_the_call_waits_for_its_step_parts_nothing() -> None:
         pipe.synchronize()
         _equal(_snapshot(pipe, opt), landed)
         assert counts == (pipe.call_number, pipe._steps) == (2, 2)
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_loss_fn_reading_a_parameter_adds_its_gradient_in_the_same_step(devices) -> None:
+    # A regularizer in loss_fn reads a model parameter: autograd accumulates that part of
+    # its gradient on the parameter itself (a use outside the pipe), during the call.
+    # pipe.step folds it into the master; the landing step must too, in this step.
+    def run(landing: bool):
+        model = _model()
+        with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            opt = _adamw(pipe.optim_parameters())
+            weight = model[2][0].weight
+
+            def loss(o, t):
+                return _loss(o, t) + 0.01 * weight.float().pow(2).sum()
+            losses, how = [], []
+            for x, y in _data(3):
+                if landing:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=loss, step=opt))
+                    how.append(pipe.landing_step(opt))
+                else:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=loss))
+                    pipe.step(opt)
+            pipe.synchronize()
+            snap = _snapshot(pipe, opt)
+            snap["losses"] = losses
+            assert weight.grad is None  # folded into its master and consumed
+        return snap, how
+
+    (plain, _), (landed, how) = run(False), run(True)
+    _equal(plain, landed)
+    assert how == ["as gradients land"] * 3
+
+
+class _Scaled(nn.Module):
+    """A parameter only the loss reads (as CLIP's logit_scale): it is in no unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+                                      for _ in range(4)))
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@pytest.mark.parametrize("devices,tier", [(1, False), (3, False), (3, True)],
+                         ids=["1", "3", "3-disk"])
+def test_a_parameter_only_the_loss_fn_reads_is_stepped_in_the_same_step(
+        devices, tier, tmp_path) -> None:
+    def run(landing: bool):
+        model = _Scaled().to(torch.bfloat16)
+        with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
+                       offload_dir=str(tmp_path / f"tier{landing}") if tier else None,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            opt = _adamw(pipe.optim_parameters())
+
+            def loss(o, t):
+                return _loss(o * model.scale, t)
+            losses, how = [], []
+            for x, y in _data(3):
+                if landing:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=loss, step=opt))
+                    how.append(pipe.landing_step(opt))
+                else:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=loss))
+                    pipe.step(opt)
+            pipe.synchronize()
+            snap = _snapshot(pipe, opt)
+            snap["losses"] = losses
+            assert model.scale.grad is None
+        return snap, how
+
+    (plain, _), (landed, how) = run(False), run(True)
+    _equal(plain, landed)
+    assert how == ["as gradients land"] * 3

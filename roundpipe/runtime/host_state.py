@@ -829,6 +829,18 @@ class ModelState:
                     total += add
                 self._params[name].grad = None
 
+    def take_outside_grads(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The outside gradients of ``names`` (see :meth:`outside_grads`), cleared on the
+        parameters: a step taken as gradients land adds them to its own."""
+        if not self.has_masters:
+            return {}
+        taken = {}
+        for name in names:
+            param = self._params.get(name)
+            if param is not None and param.requires_grad and param.grad is not None:
+                taken[name], param.grad = param.grad, None
+        return taken
+
     def drop_outside_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
         for name in grads:
             self._params[name].grad = None

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ..errors import StepError
 from .grad_landing import GradLanding
 from .masters import UnitSchedule
 
@@ -37,16 +38,25 @@ class LandingStep:
     """The link between one training call's backward and its step.
 
     ``units``: per program unit, ``(slot -> master name)`` of its trainable parameters;
-    ``publish``: per program unit, every parameter name its fences cover."""
+    ``publish``: per program unit, every parameter name its fences cover;
+    ``outside(names)``: the gradients autograd left on those model parameters during the
+    call (a ``loss_fn`` reading one: a use outside the pipe), taken off them."""
 
     def __init__(self, optimizer: Any, groups: list[dict[str, Any]],
                  masters: dict[str, torch.Tensor], units: Sequence[dict[str, str]],
-                 publish: Sequence[tuple[str, ...]], landing: GradLanding) -> None:
+                 publish: Sequence[tuple[str, ...]], landing: GradLanding,
+                 outside: Callable[[Iterable[str]], dict[str, torch.Tensor]] = dict
+                 ) -> None:
+        self.outside = outside
         self.optimizer = optimizer
         self.groups = groups
         self.masters = masters
         self.units = list(units)
         self.publish = list(publish)
+        # masters no unit reads (a parameter only loss_fn reads, one the forward skips):
+        # stepped last, once the call ended, with what outside uses left on them
+        read = {n for u in self.units for n in u.values()}
+        self.rest = tuple(n for n in masters if n not in read)
         self.landing = landing
         self._cond = threading.Condition()
         self._grads: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
@@ -108,7 +118,12 @@ class LandingStep:
         """Master names per step unit, in the order they are updated (descending
         program units)."""
         return [tuple(dict.fromkeys(self.units[k].values()))
-                for k in reversed(range(len(self.units)))]
+                for k in reversed(range(len(self.units)))] + ([self.rest] if self.rest else [])
+
+    def publish_order(self) -> list[tuple[str, ...]]:
+        """The parameter names published after each entry of :meth:`order`."""
+        return [self.publish[k] for k in reversed(range(len(self.units)))] + (
+            [self.rest] if self.rest else [])
 
     def run(self, schedule: UnitSchedule,
             stage: Callable[[list[tuple[torch.Tensor, str]]], None] | None) -> bool:
@@ -134,6 +149,15 @@ class LandingStep:
                 staged = self._grads.pop(k, [])
             grads = {id(self.masters[self.units[k][slot]]): t for slot, _, t in staged
                      if slot in self.units[k]}
+            # A loss_fn reading a parameter of this unit left that part of its gradient
+            # on the parameter, final once the last microbatch's backward passed the
+            # loss (before any unit's gradients are final): pipe.step adds it to the
+            # master's gradient (ModelState.fold_outside_grads), in float32, and so here.
+            for name, extra in self.outside(self.units[k].values()).items():
+                master = self.masters[name]
+                add = extra.to(master.dtype)
+                held = grads.get(id(master))
+                grads[id(master)] = add if held is None else held.to(master.dtype) + add
             schedule.before_unit(i)
             if grads:
                 self.optimizer.step_landed(self.groups, grads, stage)
@@ -144,4 +168,26 @@ class LandingStep:
             with self._cond:
                 self._consumed.add(k)
                 self._cond.notify_all()
+        # What no unit reads gets its gradient (if any) from outside uses only, final
+        # once the call ended; then a gradient reaching a unit's parameter from outside
+        # the pipe after its update (an input computed from it, whose backward runs
+        # after the pipe's) could no longer be added.
+        with self._cond:
+            while self._ended is None:
+                self._cond.wait()
+        if self.rest:
+            extra = self.outside(self.rest) if self._ended else {}
+            grads = {id(self.masters[name]): t.to(self.masters[name].dtype)
+                     for name, t in extra.items()}
+            schedule.before_unit(n)
+            if grads:
+                self.optimizer.step_landed(self.groups, grads, stage)
+            schedule.after_unit(n)
+        late = self.outside(self.masters) if self._ended else {}
+        if late:
+            raise StepError(
+                f"parameter {next(iter(late))!r} got a gradient from outside the pipe "
+                "after its unit was updated (a use of it outside the model's forward "
+                "whose backward ran after the pipe's): forward_backward(step=...) cannot "
+                "add it to this step. Use forward_backward(...) then pipe.step(opt)")
         return True

@@ -223,9 +223,7 @@ class OptimizerWorker:
 
     def _run_landing(self, step: Any, version: int) -> None:
         host = self.host
-        n = len(step.units)
-        schedule = host.publishing_schedule(
-            version, groups=[step.publish[k] for k in reversed(range(n))])
+        schedule = host.publishing_schedule(version, groups=step.publish_order())
         # the update order's master names (publishing_schedule keeps those with a master)
         schedule = UnitSchedule(host.landed, step.order(), after_unit=schedule._after)
         if host.offload is not None:  # stage each unit around its update and publish
