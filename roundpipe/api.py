@@ -745,6 +745,11 @@ class RoundPipe:
         if self._optimizer.pending_steps():
             # a step in flight still reads (and then drops) the last call's gradients
             self._optimizer.wait()
+        if state.dirty:
+            # an asynchronous step's result is kept from the weights until the next step
+            # starts: the plain call computes with the weights from before it
+            return ("an asynchronous step's update is not yet in the weights: this call "
+                    "computes with the weights from before it, and steps after it")
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [n for n, m in state.named_masters() if id(m) not in stepped]
         if missing:

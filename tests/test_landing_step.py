@@ -618,3 +618,39 @@ def test_a_parameter_only_the_loss_fn_reads_is_stepped_in_the_same_step(
     (plain, _), (landed, how) = run(False), run(True)
     _equal(plain, landed)
     assert how == ["as gradients land"] * 3
+
+
+def test_after_an_asynchronous_step_the_call_computes_with_the_weights_before_it(
+        caplog) -> None:
+    """After pipe.step(opt, is_async=True) without weight prediction, forward_backward
+    computes with the weights from before that step (one step stale); so must
+    forward_backward(step=opt), which is that call then pipe.step(opt)."""
+    base = _model()
+    results = []
+    for landing in (False, True):
+        model = copy.deepcopy(base)
+        with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32,
+                       predict_weights=False,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            opt = _adamw(pipe.optim_parameters())
+            data = _data(3)
+            losses = [pipe.forward_backward(input_args=(data[0][0],), label=data[0][1],
+                                            loss_fn=_loss)]
+            pipe.step(opt, is_async=True)
+            for x, y in data[1:]:
+                if landing:
+                    with caplog.at_level(logging.WARNING, logger="roundpipe"):
+                        losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                            loss_fn=_loss, step=opt))
+                else:
+                    losses.append(pipe.forward_backward(input_args=(x,), label=y,
+                                                        loss_fn=_loss))
+                    pipe.step(opt)
+            pipe.synchronize()
+            snap = _snapshot(pipe, opt)
+            snap["losses"] = losses
+            if landing:  # the step after the stale call is exact: the next one lands
+                assert pipe.landing_step(opt) == "as gradients land"
+        results.append(snap)
+    _equal(*results)
+    assert any("asynchronous step" in r.getMessage() for r in caplog.records), caplog.text
