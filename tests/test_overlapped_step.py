@@ -7,6 +7,7 @@ when it fails."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -286,3 +287,47 @@ def test_a_checkpoint_taken_while_the_overlapped_step_runs_resumes_bitwise(
         got = pipe.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(losses[3:], resumed))
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_parameter_only_the_loss_fn_reads_is_published_before_the_next_call_reads_it(
+        ) -> None:
+    """A parameter no unit reads (a learned temperature only ``loss_fn`` uses) has no
+    fence the next call waits for: its update must be published before the units' (whose
+    fences the call waits for before its loss), or the next loss reads it stale."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = _model()
+            self.scale = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return self.layers(x)
+
+    def run(overlap: bool):
+        model = Scaled()
+        with RoundPipe(model, devices=["cpu"] * 3, optim_dtype=torch.float32,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=1e-2)
+            fences = pipe._state.fences
+            record = fences.record
+
+            def slow_record(event, name, version):  # the temperature is published late
+                if event == "publish_begin" and name == "scale":
+                    time.sleep(0.3)
+                return record(event, name, version)
+            fences.record = slow_record
+            losses = []
+            for x, y in _data(3):
+                losses.append(pipe.forward_backward(
+                    input_args=(x,), label=y,
+                    loss_fn=lambda o, t: F.mse_loss(o * model.scale, t)))
+                pipe.step(opt)
+                if not overlap:
+                    pipe.synchronize()
+                else:
+                    assert pipe.step_overlap(opt) == "per unit"
+            pipe.synchronize()
+        return losses
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))

@@ -300,11 +300,15 @@ class ModelState:
         model weights and opens the unit's fences at ``version``, so the next call's first
         jobs wait only for their own units.  The caller made sure nothing older is
         unpublished (``dirty`` is False) and no weight prediction is kept.  ``groups``:
-        the parameter names of each unit in the order they are updated (default: the
-        upload order, then every other parameter)."""
+        the parameter names of each unit in the order they are updated (default: every
+        parameter no unit reads, then the upload order).  Those no unit reads have no
+        fence the next call waits for (only ``loss_fn`` reads them, after the units'
+        forward): published first, they are new before the first unit's fence opens."""
         if groups is None:
+            read = {n for group in self.publish_groups for n in group}
             groups, seen = [], set()
-            for group in self.publish_groups + [tuple(self._params)]:
+            for group in [tuple(n for n in self._params if n not in read)] + \
+                    self.publish_groups:
                 group = tuple(n for n in group if n not in seen)
                 seen.update(group)
                 if group:
