@@ -684,14 +684,16 @@ class RoundPipe:
                     keep=tail_values(plan), hooks=hooks,
                     on_losses=landing[0].on_losses if landing else None,
                     admit=landing[0].admit if landing else None)
+                if landing is not None:
+                    # (inside the try: the step waits for the call's end, whatever ends it)
+                    landing[0].end(True)
             except BaseException:
                 if landing is not None:
-                    landing[0].end(False)
+                    landing[0].end(False)  # (no-op once it ended)
                     self._landing_failed()
                 raise
             loss = sum_losses(result.losses)
             if landing is not None:
-                landing[0].end(True)
                 self._commit_landed(landing[0], entry, result)
             else:
                 if dp_call is not None:

@@ -654,3 +654,38 @@ def test_after_an_asynchronous_step_the_call_computes_with_the_weights_before_it
         results.append(snap)
     _equal(*results)
     assert any("asynchronous step" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_an_interrupt_right_after_the_backward_does_not_leave_the_step_waiting(
+        monkeypatch) -> None:
+    """The step waits for the call's end (to take what outside uses left on parameters
+    no unit reads): an interrupt between the backward's end and the call telling the step
+    must still tell it, or the optimizer thread waits forever."""
+    import threading
+    import roundpipe.api as api
+    with RoundPipe(_model(), devices=["cpu"] * 2, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        (x, y), = _data(1)
+        real = api.sum_losses
+        steps = []
+        init = api.LandingStep.__init__
+
+        def recorded(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            steps.append(self)
+        monkeypatch.setattr(api.LandingStep, "__init__", recorded)
+
+        def interrupted(losses):
+            monkeypatch.setattr(api, "sum_losses", real)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(api, "sum_losses", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss, step=opt)
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (pipe.wait(), done.set()), daemon=True)
+        waiter.start()
+        waited = done.wait(20)
+        if not waited:
+            steps[0].end(False)  # release it, so the pipe closes
+        assert waited, "the step still waits for the call's end"

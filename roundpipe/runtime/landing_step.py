@@ -100,7 +100,8 @@ class LandingStep:
 
     def end(self, ok: bool) -> None:
         with self._cond:
-            self._ended = ok
+            if self._ended is None:  # the first word stands
+                self._ended = ok
             self._cond.notify_all()
 
     def _ready(self, k: int) -> bool:
