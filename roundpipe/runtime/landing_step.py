@@ -169,10 +169,10 @@ class LandingStep:
             with self._cond:
                 self._consumed.add(k)
                 self._cond.notify_all()
-        # What no unit reads gets its gradient (if any) from outside uses only, final
-        # once the call ended; then a gradient reaching a unit's parameter from outside
-        # the pipe after its update (an input computed from it, whose backward runs
-        # after the pipe's) could no longer be added.
+        # What no unit reads gets its gradient (if any) from outside uses only (loss_fn),
+        # final once the call ended; a gradient reaching a unit's parameter from outside
+        # after its update could no longer be added (none should: forward_backward
+        # sends no gradient into its inputs), so it fails the step rather than vanish.
         with self._cond:
             while self._ended is None:
                 self._cond.wait()
@@ -188,7 +188,6 @@ class LandingStep:
         if late:
             raise StepError(
                 f"parameter {next(iter(late))!r} got a gradient from outside the pipe "
-                "after its unit was updated (a use of it outside the model's forward "
-                "whose backward ran after the pipe's): forward_backward(step=...) cannot "
-                "add it to this step. Use forward_backward(...) then pipe.step(opt)")
+                "after its unit was updated: forward_backward(step=...) cannot add it to "
+                "this step. Use forward_backward(...) then pipe.step(opt)")
         return True
