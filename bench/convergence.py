@@ -235,7 +235,7 @@ def train(run: str, init: dict[str, torch.Tensor], batches: list, val: tuple,
 
 
 STYLES = {"eager": "-", "exact": "--", "async": "-", "async4": ":", "stale": "-.",
-          "predict": "-", "warm": "--", "sr": "-", "bf16": ":"}
+          "predict": "-", "warm": "--", "warm200": "-.", "sr": "-", "bf16": ":"}
 
 
 def plot(data: dict, path: str) -> None:
