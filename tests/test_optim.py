@@ -414,12 +414,12 @@ def _slow_steps(landing_buffers, monkeypatch):
     landing, landed = threading.Event(), threading.Event()
     original = grad_landing.GradLanding.buffer_for
 
-    def buffer_for(self, key, steps=()):
+    def buffer_for(self, key, steps=(), like=None):
         meets_held = bool(self.buffers.get(key)) and self._free(key) is None
         if meets_held:
             landing.set()
         try:
-            return original(self, key, steps)
+            return original(self, key, steps, like=like)
         finally:
             if meets_held:
                 landed.set()
