@@ -1108,14 +1108,7 @@ class RoundPipe:
                 return step_fn()
 
         current.called(self)
-        unresumed = self._state.unresumed()
-        if unresumed:
-            raise OffloadMismatchError(
-                f"offload_dir {self._state.offload.directory!r} holds optimizer state "
-                f"that no optimizer of this pipe took ({len(unresumed)} tensors, e.g. "
-                f"{unresumed[0]!r}); a step now would drop it. Nothing was run: create "
-                "the run's roundpipe.optim optimizer(s) over pipe.optim_parameters() "
-                "before stepping")
+        self._refuse_unresumed()
         if (is_async and self.predict_weights and self._state.offload is not None
                 and self._state.has_masters and self._steps + 1 >= self.async_after):
             raise ConfigError(

@@ -52,6 +52,15 @@ class _MixedStep(Exception):
     """A step that failed after publishing some units (its message says so)."""
 
 
+def _mark_mixed(host: ModelState, version: int, why: str) -> _MixedStep:
+    """A step failed after some unit was updated and published: every later call and
+    step refuses (``host.mixed``) and the step's fences fail, until state is loaded."""
+    log.error("roundpipe: %s", why)
+    host.mixed = why
+    host.fences.fail(version, why)
+    return _MixedStep(why)
+
+
 class OptimizerWorker:
     """Runs optimizer steps on a dedicated CPU thread, one at a time, in order."""
 
@@ -200,10 +209,7 @@ class OptimizerWorker:
                    "masters, the optimizer state and the weights mix two steps. Load a "
                    "checkpoint (load_checkpoint, or pipe.load_state_dict and the "
                    "optimizer's) to go on")
-            log.error("roundpipe: %s", why)
-            host.mixed = why
-            host.fences.fail(version, why)
-            raise _MixedStep(why) from e
+            raise _mark_mixed(host, version, why) from e
         finally:
             host.landed.unit_schedule = None
             self._local.inside, self._local.version = False, None
@@ -256,10 +262,7 @@ class OptimizerWorker:
                    "were updated and published: the masters, the optimizer state and the "
                    "weights mix two steps. Load a checkpoint (load_checkpoint, or "
                    "pipe.load_state_dict and the optimizer's) to go on")
-            log.error("roundpipe: %s", why)
-            host.mixed = why
-            host.fences.fail(version, why)
-            raise _MixedStep(why) from e
+            raise _mark_mixed(host, version, why) from e
         finally:
             host.landed.unit_schedule = None
             self._local.inside, self._local.version = False, None
