@@ -88,6 +88,9 @@ class CallState:
     keep: frozenset[str] = frozenset()  # more values returned per microbatch (RunResult.values)
     hooks: HookPlan = NO_HOOKS  # where the parameters' autograd hooks run
     mb_grads: dict[str, list[tuple[int, int, torch.Tensor]]] = field(default_factory=dict)
+    # (microbatch, slot) -> loss_fn's part of a hooked parameter's gradient, on the host
+    # until the unit HookPlan.loss_joins names joins it (param_hooks.LossReads)
+    loss_grads: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     # Buffers every microbatch reads as the call began (pipe(x): eager writes them once
     # per call, from values no sample changes; see OutputMergePlan.per_call_state).
     fresh_state: frozenset[str] = frozenset()

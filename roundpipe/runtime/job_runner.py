@@ -19,6 +19,7 @@ from ..errors import LossError
 from ..plan import UnitProgram
 from ..ops import modes
 from .devices import Device, Transfer, dense
+from . import param_hooks
 from .jobs import Job
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -407,6 +408,7 @@ class JobRunner:
             if g is not None:
                 tensors.append(out)
                 grads.append(g)
+        self._join_loss_grads(unit, mb, tensors, grads)
         if tensors:
             torch.autograd.backward(tensors, grads)
         for v in unit.inputs:
@@ -415,6 +417,30 @@ class JobRunner:
                 self._add_grad(mb, v, leaf.grad, acc)
         self._download_microbatch_grads(unit, mb)
         self._hand_over(unit, mb)
+
+    def _join_loss_grads(self, unit: UnitProgram, mb: int, tensors: list[torch.Tensor],
+                         grads: list[torch.Tensor]) -> None:
+        """loss_fn's part of a hooked parameter's microbatch gradient flows into this
+        unit's leaf of it through an identity view, in the same backward as the unit's
+        own part: autograd sums both before the leaf's hooks run, as eager's one
+        backward does (param_hooks.LossReads)."""
+        joins = self.call.hooks.loss_joins
+        if not joins:
+            return
+        for slot in unit.state:
+            if joins.get(slot) != unit.index:
+                continue
+            with self.call.lock:
+                part = self.call.loss_grads.pop((mb, slot), None)
+            if part is None:
+                continue
+            leaf = self.param_leaves.get((unit.index, slot))
+            if leaf is None:  # every trainable parameter a unit reads carries a gradient
+                raise RuntimeError(f"no gradient leaf for {slot!r} in unit {unit.index}; "
+                                   "the plan is inconsistent")
+            with torch.enable_grad():
+                tensors.append(leaf.view_as(leaf))
+            grads.append(self._upload(mb, part, "grads"))
 
     def _download_microbatch_grads(self, unit: UnitProgram, mb: int) -> None:
         """The gradients whose hooks need each microbatch's (HookPlan.per_microbatch) go
@@ -502,9 +528,15 @@ class JobRunner:
         label = pytree.tree_map(
             lambda x: self._upload(mb, x, "labels") if isinstance(x, torch.Tensor) else x,
             call.labels[mb])
-        with torch.enable_grad(), self._autocast():
+        joins = call.hooks.loss_joins
+        reads = param_hooks.LossReads({s: self.ex.host.tensors[s] for s in joins}) \
+            if joins else contextlib.nullcontext()
+        with torch.enable_grad(), self._autocast(), reads:
             loss = call.loss_fn(output, label)  # type: ignore[misc]
         _check_loss(loss, mb)
+        if joins and loss.requires_grad:  # before loss_fn's backward runs any hook
+            param_hooks.refuse_hooked_loss_reads(
+                loss, reads.params, {s: self.ex.host.specs[s].fqn for s in joins})
         if mb == call.num_mb - 1 and call.on_losses is not None:
             self._losses_in(loss, mb)
         acc: dict[str, torch.Tensor] = {}
@@ -513,6 +545,10 @@ class JobRunner:
             for name, leaf in out_leaves:
                 if leaf.grad is not None:
                     self._add_grad(mb, name, leaf.grad, acc)
+            if joins:
+                with call.lock:
+                    call.loss_grads.update(((mb, s), a.grad) for s, a in reads.aliases.items()
+                                           if a.grad is not None)
         for unit in reversed(self.units):
             self._backward_unit(unit, mb, values, acc, leaves)
         self._flush_grads(mb, acc)

@@ -21,6 +21,17 @@ with ``p.grad`` holding the sum.  What one backward is depends on the front end:
 * The ``torch.compile`` backend returns parameter gradients to autograd, which runs the
   hooks itself.
 
+A hooked parameter that ``loss_fn`` reads as well as a layer (a regularizer on a weight)
+gets one microbatch gradient from both uses in eager, and its hooks run once on the sum.
+The fused tail therefore runs ``loss_fn`` with such parameters replaced by hook-free
+aliases (:class:`LossReads`, a torch function mode on that thread only), so ``loss_fn``'s
+backward runs none of their hooks; the alias's gradient then joins the gradient of the
+last unit reading the parameter inside that unit's backward, before the hooks (on the
+device, or at the commit) see it.  A read the mode cannot see (a custom autograd
+Function given the parameter, TorchScript) is refused before ``loss_fn``'s backward runs
+(:func:`refuse_hooked_loss_reads`).  A hooked parameter only ``loss_fn`` reads is left to
+autograd, which runs its hooks once per microbatch on its whole gradient, as eager does.
+
 Hooks are read when a call (or a backward) starts, so hooks registered or removed between
 calls take effect at the next one.  Tensor hooks run on gradients in the parameter's
 dtype, as in eager; with ``optim_dtype`` masters the result is converted and accumulated
@@ -37,6 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from ..errors import ParameterHookError
 from ..plan import ModelProgram
@@ -80,9 +93,13 @@ class HookPlan:
     # slots whose gradients reach the commit in the parameter's dtype, unconverted: the
     # commit runs their hooks (tensor hooks not run on the device, post-accumulate hooks)
     at_commit: frozenset[str] = frozenset()
+    # (forward_backward) hooked slots a unit reads -> the unit whose backward joins
+    # loss_fn's part of the microbatch gradient (the last reader: its backward runs first)
+    loss_joins: Mapping[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.on_device or self.per_microbatch or self.at_commit)
+        return bool(self.on_device or self.per_microbatch or self.at_commit
+                    or self.loss_joins)
 
 
 NO_HOOKS = HookPlan()
@@ -103,7 +120,9 @@ def plan_hooks(host: HostState, program: ModelProgram, *, per_microbatch: bool,
     if not hooked:
         return NO_HOOKS
     readers = collections.Counter(s for u in program.units for s in u.state)
+    last_reader = {s: u.index for u in program.units for s in u.state}
     on_device: dict[str, tuple[Hook, ...]] = {}
+    loss_joins: dict[str, int] = {}
     per_mb: set[str] = set()
     at_commit: set[str] = set()
     for slot in hooked:
@@ -120,6 +139,8 @@ def plan_hooks(host: HostState, program: ModelProgram, *, per_microbatch: bool,
                 "Do that work on the masters' .grad in the function you pass to pipe.step "
                 "(it runs once the call's gradients are summed), or use optim_dtype=None "
                 "(the parameters are then the masters and their hooks run as in eager)")
+        if per_microbatch and readers[slot]:
+            loss_joins[slot] = last_reader[slot]
         if per_microbatch and hooks and readers[slot] == 1:
             on_device[slot] = tuple(_while_registered(param, key, hook)
                                     for key, hook in param._backward_hooks.items())
@@ -137,7 +158,75 @@ def plan_hooks(host: HostState, program: ModelProgram, *, per_microbatch: bool,
             "parallelism the commit follows the all-reduce, where eager DDP runs them "
             "before it. Remove the hooks, or apply them in the function passed to "
             "pipe.step")
-    return HookPlan(on_device, frozenset(per_mb), frozenset(at_commit))
+    return HookPlan(on_device, frozenset(per_mb), frozenset(at_commit), loss_joins)
+
+
+# Not a read of the value: the parameter's own .grad, hooks registered on it.
+_NOT_READS = frozenset({torch.Tensor.grad.__get__, torch.Tensor.grad.__set__,
+                        torch.Tensor.register_hook,
+                        torch.Tensor.register_post_accumulate_grad_hook})
+
+
+class LossReads(TorchFunctionMode):
+    """While active (on the fused tail's thread, around one microbatch's ``loss_fn``),
+    every torch function given one of ``params`` (slot -> the model's parameter) gets a
+    hook-free alias instead (same storage, a leaf of its own), so ``loss_fn``'s backward
+    leaves that part of the gradient on the alias, not on the parameter through its hooks.
+    ``aliases``: slot -> the alias of each parameter ``loss_fn`` read."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.slots = {id(p): slot for slot, p in params.items()}
+        self.params = params
+        self.aliases: dict[str, torch.Tensor] = {}
+
+    def _swap(self, t: torch.Tensor) -> torch.Tensor:
+        slot = self.slots.get(id(t))
+        if slot is None or self.params[slot] is not t:
+            return t
+        alias = self.aliases.get(slot)
+        if alias is None:
+            alias = self.aliases[slot] = t.detach().requires_grad_(t.requires_grad)
+        return alias
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _NOT_READS:
+            args, kwargs = pytree.tree_map_only(torch.Tensor, self._swap, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def refuse_hooked_loss_reads(loss: torch.Tensor, params: Mapping[str, torch.Tensor],
+                             names: Mapping[str, str]) -> None:
+    """A hooked parameter of ``params`` (slot -> parameter) still in ``loss``'s graph:
+    ``loss_fn`` read it where :class:`LossReads` could not see (a custom autograd
+    Function given it, TorchScript, code run with torch functions disabled), and its
+    backward would run the hooks on ``loss_fn``'s part alone.  Raised before that
+    backward: the call commits nothing."""
+    by_id = {id(p): slot for slot, p in params.items()}
+    seen: set[Any] = set()
+    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() == "torch::autograd::AccumulateGrad":  # a leaf's
+            variable = node.variable
+            slot = by_id.get(id(variable))
+            if slot is not None and params[slot] is variable:
+                raise ParameterHookError(
+                    f"parameter {names[slot]!r} has hooks and is read both by the model "
+                    "and by loss_fn in a way roundpipe cannot see (a custom autograd "
+                    "Function given the parameter, TorchScript, or torch functions "
+                    "disabled): loss_fn's backward would run its hooks on loss_fn's part "
+                    "of the gradient alone, where eager runs them once on the "
+                    "microbatch's whole gradient. Nothing was committed. Read the "
+                    "parameter through torch operations in loss_fn, read it inside the "
+                    "model's forward, or remove the hook")
+            continue
+        stack.extend(n for n, _ in node.next_functions)
 
 
 def refuse_unreached(host: HostState, handed: Iterable[str],
