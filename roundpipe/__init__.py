@@ -42,7 +42,8 @@ if not _cli_help_only():  # (the package's contents; the command line imports th
     from .checkpoint import CheckpointError, export_weights, load_checkpoint, save_checkpoint
     from .config import RoundPipeRunConfig
     from .grad_scaler import GradScaler
-    from .errors import (ConfigError, InputError, LossError, MergeError, ModelError,
+    from .errors import (ConfigError, InputError, InputGradientError, LossError,
+                         MergeError, ModelError,
                          OutOfMemoryError, PartitionError, RoundPipeError, StageError,
                          StepError, TraceError, UnknownConfigFieldError)
     from .errors import (DataParallelError, DoubleBackwardError, HostOutOfMemoryError,
@@ -88,6 +89,7 @@ __all__ = [
     "TraceError",
     "PartitionError",
     "InputError",
+    "InputGradientError",
     "LossError",
     "MergeError",
     "StageError",

@@ -18,11 +18,12 @@ import torch.utils._pytree as pytree
 
 from .backprop import GradRequest, attach_backward, refuse_hooks_split_by_microbatches
 from .loss import mark_loss_fn_error, returned_loss, sum_losses
+from .input_grads import GradRoots, grad_roots, reached_parameters, send_grads
 from . import current
 from .compiler import PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .dtype_diagnosis import diagnose_dtypes, dtype_mismatch
-from .errors import (CheckpointError, ConfigError, InputError, ModelError,
+from .errors import (CheckpointError, ConfigError, InputError, InputGradientError, ModelError,
                      OffloadMismatchError, ParameterHookError, RoundPipeError, StepError,
                      TraceError, UnknownConfigFieldError, unknown_options_message)
 from .merged_outputs import merge_plan, merged_outputs, output_columns, tail_values
@@ -648,6 +649,7 @@ class RoundPipe:
         if not isinstance(input_args, tuple):
             input_args = (input_args,)
         input_kwargs = dict(input_kwargs or {})
+        grad_enabled = torch.is_grad_enabled()
         if step is not None:
             self._refuse_unresumed()
         with self._lock, diagnose_dtypes(self.model, input_args, input_kwargs), \
@@ -663,12 +665,17 @@ class RoundPipe:
                               strict=False) if return_outputs else None
             batch = batch_size_of(input_args, input_kwargs) if cfg.split_input is None else -1
             labels = split_label(label, cfg.num_microbatch, batch, cfg.split_label)
+            # what requires grad among the inputs and label gets its gradient, as eager's
+            # backward gives it (under no_grad eager records no graph into them)
+            roots = grad_roots(flat, labels, (input_args, input_kwargs, label)) \
+                if grad_enabled else None
+            reached = self._reached_by_inputs(roots)  # refuses what it cannot make exact
             # eager's reference is the per-microbatch loop: one backward per microbatch
             hooks = self._hooks(entry, per_microbatch=True)
             on_grads = dp_call.bind(entry.host, entry.plan.program.units) if dp_call else None
             landing = None
             if step is not None:
-                blocker = self._landing_blocker(step, entry, hooks)
+                blocker = self._landing_blocker(step, entry, hooks, reached)
                 if blocker is None:
                     landing = self._landing_step(step, entry)
                 else:
@@ -683,7 +690,8 @@ class RoundPipe:
                     on_grads=landing[0].on_grads if landing else on_grads,
                     keep=tail_values(plan), hooks=hooks,
                     on_losses=landing[0].on_losses if landing else None,
-                    admit=landing[0].admit if landing else None)
+                    admit=landing[0].admit if landing else None,
+                    input_grads=bool(roots))
                 if landing is not None:
                     # (inside the try: the step waits for the call's end, whatever ends it)
                     landing[0].end(True)
@@ -704,12 +712,67 @@ class RoundPipe:
                 self._finish(entry, result, hooks=hooks)
             if dp_call is not None:
                 self._sync_replica_buffers(entry)
+            if roots:  # once the pipe's own gradients are committed, before any step
+                self._send_input_grads(roots, result, reached)
             loss = returned_loss(loss)
             if step is not None and landing is None:
                 self.step(step)  # the plain order: forward_backward, then step
             if return_outputs:
                 return loss, merged_outputs(entry, result, mbs, cfg, plan)
             return loss
+
+    def _reached_by_inputs(self, roots: GradRoots | None) -> dict[str, str]:
+        """The trainable parameters of this pipe's model (or their masters) that the
+        graphs of a call's inputs and label reach (name -> the input's name): their
+        gradient through the input is added after the call, where the optimizer reads
+        it (:meth:`_send_input_grads`).  Refuses, before anything runs, where that
+        cannot be exact."""
+        if not roots:
+            return {}
+        targets = {id(p): n for n, p in self.model.named_parameters() if p.requires_grad}
+        masters = self._state.masters()
+        targets.update({id(m): n for n, m in masters.items()})
+        reached = reached_parameters(roots, targets)
+        if not reached:
+            return {}
+        name, who = next(iter(reached.items()))
+        if self._dp is not None:
+            raise InputGradientError(
+                f"the graph of {who} reaches the parameter {name!r} of the model this pipe "
+                "runs; with data parallelism the pipe all-reduces that parameter's gradient "
+                "across replicas, and the part through the input would be added on this "
+                "replica alone (the replicas would step apart). Nothing was run. Compute "
+                f"{who} inside the model (its gradient is then all-reduced), or pass it "
+                "detached")
+        for name, who in reached.items():
+            tensors = [self.model.get_parameter(name)] + (
+                [masters[name]] if name in masters else [])
+            if any(param_hooks.tensor_hooks(t) or param_hooks.post_accumulate_hooks(t)
+                   for t in tensors):
+                raise InputGradientError(
+                    f"the graph of {who} reaches the parameter {name!r}, which has hooks; "
+                    "eager's per-microbatch loop runs them on each microbatch's gradient "
+                    "summed over both uses, where roundpipe adds the part through the "
+                    "input after the call (autograd would run them on it apart). Nothing "
+                    f"was run. Compute {who} inside the model, pass it detached, or "
+                    "remove the hooks")
+        return reached
+
+    def _send_input_grads(self, roots: GradRoots, result: RunResult,
+                          reached: dict[str, str]) -> None:
+        """Send the call's input and label gradients into the caller's graph: one
+        backward on this thread (input_grads.py).  Where that graph reaches this model's
+        parameters, autograd accumulates into their ``.grad`` (without masters: what the
+        optimizer reads) or, with masters, into the model's parameter, added to the
+        master's gradient here (and a master's gradient held where it landed becomes its
+        ``.grad`` first, so that autograd adds to it)."""
+        state = self._state
+        if reached and state.has_masters:
+            masters = state.masters()
+            self._optimizer.run(lambda: [masters[n].grad for n in reached if n in masters])
+        send_grads(roots, result.input_grads, result.label_grads)
+        if reached and state.has_masters:
+            self._optimizer.run(lambda: state.fold_outside_grads(state.outside_grads()))
 
     def _refuse_unresumed(self) -> None:
         unresumed = self._state.unresumed()
@@ -731,12 +794,19 @@ class RoundPipe:
 
     def _landing_blocker(self, optimizer: torch.optim.Optimizer,
                          entry: CompiledProgram | None,
-                         hooks: param_hooks.HookPlan | None) -> str | None:
+                         hooks: param_hooks.HookPlan | None,
+                         reached: dict[str, str] | None = None) -> str | None:
         """Why ``forward_backward(step=optimizer)`` cannot update units as their
-        gradients land, exactly (None: it can)."""
+        gradients land, exactly (None: it can).  ``reached``: the call's parameters its
+        inputs' or label's graphs reach (:meth:`_reached_by_inputs`)."""
         state = self._state
         if self._dp is not None:
             return "data parallel all-reduces each unit's gradients before any step"
+        if reached:
+            name, who = next(iter(reached.items()))
+            return (f"the graph of {who} reaches the parameter {name!r}: that part of its "
+                    "gradient is sent into the inputs once the call's backward ended, "
+                    "after its unit's update")
         if self._nonfinite_loss_ok:
             return "a GradScaler unscales and checks every gradient before the step"
         if self._optimizer.on_worker:

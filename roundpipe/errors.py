@@ -46,6 +46,12 @@ class InputError(RoundPipeError, ValueError):
     """Inputs or labels passed to a call are unusable (device, batch size, structure)."""
 
 
+class InputGradientError(InputError):
+    """The gradient a ``forward_backward`` call would send into its inputs or label
+    cannot reach where it belongs exactly (their graph reaches a parameter of the pipe's
+    own model under data parallelism, or one with hooks); refused before anything runs."""
+
+
 class MergeError(RoundPipeError, ValueError):
     """An output of a split call cannot be put back together exactly (it mixes samples in
     a way roundpipe cannot recompute on the whole batch)."""

@@ -386,10 +386,47 @@ def dead_replica(rank: int, world: int, save: Callable[[dict[str, Any]], None]
 GROUPS: dict[str, list[str]] = {
     "equivalence": ["sgd_sum", "adamw_mean", "adamw_async", "zero_checkpoint",
                     "sharded_checkpoint", "autograd_backward", "batchnorm_buffers",
+                    "input_grads",
                     # last: the replicas are out of step while rank 0 alone saves
                     "subgroup_save"],
     "failures": ["replica_failure", "failed_save", "hung_replica", "dead_replica"],
 }
+
+
+def input_grads_data() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A small float64 model, an input table outside it and the global batch (rows of
+    the table, labels) for ``input_grads``."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
+                                torch.nn.Linear(6, 2)).double()
+    g = torch.Generator().manual_seed(6)
+    table = torch.randn(10, 4, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 10, (BATCH,), generator=g)
+    label = torch.randn(BATCH, 2, generator=g, dtype=torch.float64)
+    return model, table, ids, label
+
+
+def input_grads(rank: int, world: int) -> dict[str, Any]:
+    """forward_backward sends each replica's own input gradient into its graph (local, as
+    with DDP); an input reaching the pipe's own parameter is refused on every replica
+    before anything runs, and the group stays usable."""
+    model, table, ids, label = input_grads_data()
+    table = torch.nn.Parameter(table)
+    pipe = RoundPipe(model, devices=["cpu"] * 2, data_parallel=DataParallelConfig(),
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    mine, y = shard(ids, rank, world), shard(label, rank, world)
+    loss_fn = torch.nn.functional.mse_loss
+    pipe.forward_backward(table[mine] * 2, label=y, loss_fn=loss_fn)
+    out: dict[str, Any] = {"table_grad": table.grad.clone()}
+    try:
+        pipe.forward_backward(pipe.model[0].weight[:BATCH // world] * 1,
+                              label=y, loss_fn=loss_fn)
+    except roundpipe.InputGradientError as e:
+        out["refused"] = str(e)
+    pipe.forward_backward(table[mine].detach(), label=y, loss_fn=loss_fn)
+    out["state"] = state(pipe)
+    pipe.close()
+    return out
 
 
 def main() -> None:

@@ -257,6 +257,24 @@ def test_loss_backward_through_pipe_forward_reduces_like_forward_backward(launch
         assert r["buckets"] > 3
 
 
+def test_input_gradients_are_each_replicas_own_and_a_pipe_parameter_is_refused(launches):
+    """As with DDP, a replica's input gradient is that of its own loss (eager's
+    per-microbatch loop on its shard); an input computed from the pipe's own parameter
+    is refused on every replica, which then go on in step."""
+    per_rank = launches["equivalence"].scenario("input_grads")
+    model, table, ids, label = dp_worker.input_grads_data()
+    for rank, r in enumerate(per_rank):
+        emb = table.clone().requires_grad_()
+        mine, y = dp_worker.shard(ids, rank, 2), dp_worker.shard(label, rank, 2)
+        x = emb[mine] * 2
+        for xb, yb in zip(x.tensor_split(2), y.tensor_split(2)):
+            torch.nn.functional.mse_loss(model(xb), yb).backward(retain_graph=True)
+        torch.testing.assert_close(r["table_grad"], emb.grad, rtol=1e-10, atol=1e-10)
+        assert "reaches the parameter '0.weight'" in r["refused"]
+        assert "data parallelism" in r["refused"]
+    _assert_replicas_identical(per_rank)
+
+
 def test_batchnorm_statistics_are_rank_zeros_on_every_replica(launches):
     per_rank = launches["equivalence"].scenario("batchnorm_buffers")
     _assert_replicas_identical(per_rank)

@@ -94,3 +94,6 @@ class CallState:
     # Buffers every microbatch reads as the call began (pipe(x): eager writes them once
     # per call, from values no sample changes; see OutputMergePlan.per_call_state).
     fresh_state: frozenset[str] = frozenset()
+    # Per microbatch, the host gradients of the label's leaves that require grad (flat
+    # leaf index -> gradient); None: the call does not return them.
+    label_grads: list[dict[int, torch.Tensor]] | None = None

@@ -165,6 +165,9 @@ class RunResult:
     # Slot -> (microbatch, unit, gradient) of the parameters whose hooks need each
     # microbatch's gradient (HookPlan.per_microbatch), in the parameter's dtype.
     mb_grads: dict[str, list[tuple[int, int, torch.Tensor]]] = field(default_factory=dict)
+    # Per microbatch, the gradients of the label's leaves that require grad (by flat
+    # leaf index); None unless a training call asked for input gradients.
+    label_grads: list[dict[int, torch.Tensor]] | None = None
 
 
 class Executor:
@@ -209,8 +212,15 @@ class Executor:
               on_grads: Callable[..., None] | None = None,
               keep: frozenset[str] = frozenset(), hooks: HookPlan = NO_HOOKS,
               on_losses: Callable[[], None] | None = None,
-              admit: Callable[..., None] | None = None) -> RunResult:
+              admit: Callable[..., None] | None = None,
+              input_grads: bool = False) -> RunResult:
         """Forward stages, fused tail (loss + backward), backward stages.
+
+        ``input_grads``: also compute the gradients of the inputs (and label leaves) that
+        require grad, returned per microbatch in ``RunResult.input_grads`` (and
+        ``label_grads``) for the caller to send into its own graph.  On the devices
+        those inputs are fresh leaves of copies (``JobRunner._leaf``, detached uploads):
+        no backward runs on the caller's graph from a device thread.
 
         A NaN or infinite loss raises :class:`LossError` (nothing is committed) unless
         ``nonfinite_loss_ok`` (a GradScaler skips the step instead).  ``on_grads`` sees
@@ -219,7 +229,7 @@ class Executor:
         unit's final gradients are downloaded.
         ``hooks``: where the parameters' autograd hooks run (runtime/param_hooks.py)."""
         call = self._new_call("train", inputs, labels, loss_fn, grain, want_outputs, keys,
-                              fence_version, autocast=autocast)
+                              fence_version, autocast=autocast, input_grads=input_grads)
         call.nonfinite_loss_ok = nonfinite_loss_ok
         call.on_grads = on_grads
         call.on_losses = on_losses
@@ -278,15 +288,18 @@ class Executor:
                   loss_fn: Callable | None, grain: str, want_outputs: bool,
                   keys: list[RngKey | None], fence_version: int, record: bool = True,
                   autocast: tuple[str, torch.dtype] | None = None,
-                  only: frozenset[str] | None = None) -> CallState:
+                  only: frozenset[str] | None = None, input_grads: bool = True
+                  ) -> CallState:
         num_mb = len(inputs)
-        # Gradients of inputs only flow back through forward() + backward(); a training
-        # call has nowhere to return them.
+        # The inputs whose gradients flow back: through forward() + backward(), or
+        # returned by a training call that asks (forward_backward sends them into the
+        # caller's graph).  Any microbatch's piece may require grad (a split_input
+        # callable's pieces need not agree).
         grad_inputs = frozenset(
-            name for name, v in inputs[0].items()
+            name for mb in inputs for name, v in mb.items()
             if isinstance(v, torch.Tensor) and v.requires_grad
             and (only is None or name in only)) \
-            if inputs and mode != "train" else frozenset()
+            if input_grads else frozenset()
         carries = self._carries(grad_inputs, only) if (mode != "forward" or record) \
             else frozenset()
         return CallState(
@@ -295,7 +308,9 @@ class Executor:
             labels=labels, loss_fn=loss_fn, want_outputs=want_outputs,
             fence_version=fence_version, carries=carries, abort=threading.Event(),
             done={}, losses=[None] * num_mb, autocast=autocast, steps=self.landing.steps(),
-            measure_norms=self.host.wants_grad_norms())
+            measure_norms=self.host.wants_grad_norms(),
+            label_grads=[{} for _ in range(num_mb)] if mode == "train" and input_grads
+            else None)
 
     def _carries(self, grad_inputs: frozenset[str], only: frozenset[str] | None = None
                  ) -> frozenset[str]:
@@ -408,7 +423,7 @@ class Executor:
                         for o in self.program.outputs] for mb in range(call.num_mb)]
         values = [{v: call.store[mb][v] for v in call.keep} for mb in range(call.num_mb)]
         input_grads = None
-        if call.mode == "backward":
+        if call.mode == "backward" or call.label_grads is not None:
             names = {n for n in self.program.inputs.names if n is not None}
             input_grads = [{k: v for k, v in g.items() if k in names} for g in call.grads]
         param_grads, owned = call.param_grads, set()
@@ -429,7 +444,8 @@ class Executor:
                                                   if len(param_grads.get(s, ())) == 1),
                          grad_norms=dict(call.grad_norms),
                          mb_grads={s: sorted(g, key=lambda c: c[:2])
-                                   for s, g in call.mb_grads.items()})
+                                   for s, g in call.mb_grads.items()},
+                         label_grads=call.label_grads)
 
     def _stage_peaks(self, jobs: list[Job]) -> dict[int, int]:
         """Each measured job's own peak, by stage (owners are job indices)."""

@@ -525,9 +525,7 @@ class JobRunner:
                 out_leaves.append((ref.value, leaf))
             flat.append(leaf)
         output = pytree.tree_unflatten(flat, self.ex.program.out_spec)
-        label = pytree.tree_map(
-            lambda x: self._upload(mb, x, "labels") if isinstance(x, torch.Tensor) else x,
-            call.labels[mb])
+        label, label_leaves = self._label(mb)
         joins = call.hooks.loss_joins
         reads = param_hooks.LossReads({s: self.ex.host.tensors[s] for s in joins}) \
             if joins else contextlib.nullcontext()
@@ -549,6 +547,10 @@ class JobRunner:
                 with call.lock:
                     call.loss_grads.update(((mb, s), a.grad) for s, a in reads.aliases.items()
                                            if a.grad is not None)
+            if call.label_grads is not None:
+                call.label_grads[mb].update(
+                    (i, self.device.download(leaf.grad, "grads"))
+                    for i, leaf in label_leaves if leaf.grad is not None)
         for unit in reversed(self.units):
             self._backward_unit(unit, mb, values, acc, leaves)
         self._flush_grads(mb, acc)
@@ -557,6 +559,23 @@ class JobRunner:
         call.losses[mb] = self.device.download(loss.detach(), "losses")
         self._publish(mb, values)
         self._time_range(self.call.unit_bwd_s, t)
+
+    def _label(self, mb: int) -> tuple[Any, list[tuple[int, torch.Tensor]]]:
+        """Microbatch ``mb``'s label on the device, and (flat index, leaf) of its leaves
+        whose host tensor requires grad, when the call returns their gradients: fresh
+        leaves of the uploaded copies (uploads are detached), so ``loss_fn``'s backward
+        stops there and the caller sends their gradients into its own graph."""
+        leaves, spec = pytree.tree_flatten(self.call.labels[mb])
+        wanted = self.call.label_grads is not None
+        marked: list[tuple[int, torch.Tensor]] = []
+        for i, x in enumerate(leaves):
+            if not isinstance(x, torch.Tensor):
+                continue
+            leaves[i] = self._upload(mb, x, "labels")
+            if wanted and x.requires_grad and (x.is_floating_point() or x.is_complex()):
+                leaves[i] = leaves[i].detach().requires_grad_(True)
+                marked.append((i, leaves[i]))
+        return pytree.tree_unflatten(leaves, spec), marked
 
     def _losses_in(self, loss: torch.Tensor, mb: int) -> None:
         """The last microbatch's loss is computed, before its backward: check every loss

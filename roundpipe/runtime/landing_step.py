@@ -171,8 +171,9 @@ class LandingStep:
                 self._cond.notify_all()
         # What no unit reads gets its gradient (if any) from outside uses only (loss_fn),
         # final once the call ended; a gradient reaching a unit's parameter from outside
-        # after its update could no longer be added (none should: forward_backward
-        # sends no gradient into its inputs), so it fails the step rather than vanish.
+        # after its update could no longer be added (none should: a call whose inputs'
+        # graph reaches a parameter of the pipe's model steps in the plain order), so it
+        # fails the step rather than vanish.
         with self._cond:
             while self._ended is None:
                 self._cond.wait()
