@@ -307,16 +307,20 @@ def test_an_input_computed_from_the_pipes_own_parameter(optim_dtype):
             assert model.emb.weight.grad is None
 
 
-def test_a_gradient_held_where_it_landed_gets_the_part_through_the_input():
+@pytest.mark.parametrize("through", ["parameter", "master"])
+def test_a_gradient_held_where_it_landed_gets_the_part_through_the_input(through):
     """With masters a roundpipe.optim optimizer binds, the call's gradient is held in its
-    download buffer; autograd's part through the input is added to it exactly: two
-    steps equal eager's SGD."""
+    download buffer; autograd's part through the input (looked up in the model's
+    parameter, or in the master itself) is added to it exactly: two steps equal eager's
+    SGD."""
     eager, ids, y = _eager_tied(steps=2, lr=0.1)
     model = _tied()
     with _pipe(model, 2, 3, optim_dtype=torch.float64) as pipe:
         opt = roundpipe.optim.SGD(pipe.optim_parameters(), lr=0.1)
+        table = (model.emb.weight if through == "parameter"
+                 else dict(pipe.optim_named_parameters())["emb.weight"])
         for _ in range(2):
-            pipe.forward_backward((model.emb(ids),), label=y, loss_fn=_lm_loss)
+            pipe.forward_backward((F.embedding(ids, table),), label=y, loss_fn=_lm_loss)
             pipe.step(opt)
             pipe.synchronize()  # the overlapped step: the weights read outside are current
         state = pipe.state_dict()
