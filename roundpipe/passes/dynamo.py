@@ -306,11 +306,14 @@ def _source_name(node: torch.fx.Node) -> str:
     return name() if callable(name) else str(name)
 
 
-_STATE_PART = re.compile(r"\._(modules|parameters|buffers)\['([^']*)'\]")
+_STATE_PART = re.compile(
+    r"\.(?:__dict__\[')?_(modules|parameters|buffers)(?:'\])?\['([^']*)'\]")
 
 
 def _fqn(source: str) -> str:
-    """``L['self']._modules['h']._modules['0']._parameters['weight']`` -> ``h.0.weight``."""
+    """``L['self']._modules['h']._modules['0']._parameters['weight']`` -> ``h.0.weight``;
+    also through ``__dict__['_modules']['h']`` (a ``super().forward`` after a graph
+    break)."""
     return ".".join(m.group(2) for m in _STATE_PART.finditer(source))
 
 
@@ -378,9 +381,11 @@ def _get_attr(root: torch.nn.Module, target: str) -> Any:
 
 def normalize_path(path: str) -> str:
     """Dynamo's module paths relative to the compiled frame's root object:
-    ``L['self'].h.0.attn`` and ``L['self'].h[0].attn`` -> ``h.0.attn``."""
+    ``L['self'].h.0.attn`` and ``L['self'].h[0].attn`` -> ``h.0.attn``; a module reached
+    through ``__dict__['_modules']`` (a ``super().forward`` call after a graph break) too."""
     path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    path = re.sub(r"(^|\.)__dict__\._modules(?=\.|$)", "", path)
     return path.strip(".")
 
 
@@ -415,11 +420,17 @@ def graph_module_tree(graph: torch.fx.Graph, state: Iterable[StateSpec]) -> Modu
                 types.setdefault(prefix, None)
     types.setdefault("", None)
     children: dict[str, list[str]] = {path: [] for path in types}
-    for path in types:
+    # A graph may name a module whose parent it never enters (a graph break inside the
+    # root's forward leaves ``layers.0`` without ``layers``): add the missing ancestors.
+    pending = list(types)
+    while pending:
+        path = pending.pop()
         if path:
             parent = path.rpartition(".")[0]
             children.setdefault(parent, []).append(path)
-            types.setdefault(parent, None)
+            if parent not in types:
+                types[parent] = None
+                pending.append(parent)
     ordered = {path: tuple(sorted(kids, key=_path_key)) for path, kids in children.items()}
     # Containers: numbered children (ModuleList, Sequential), a container class, or a
     # module below the root that is never called itself while its children are (a

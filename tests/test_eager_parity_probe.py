@@ -1,0 +1,92 @@
+"""Found by probing roundpipe against eager PyTorch with small float64 models through the
+three front ends (``forward_backward``, ``pipe(x)`` + ``backward()``, the
+``torch.compile`` backend): each case trains as eager does, or is refused before it runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from roundpipe import backend as rb
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.set_default_dtype(previous)
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.acts = nn.ModuleList([nn.Tanh() for _ in range(3)])  # no parameters
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for layer, act in zip(self.layers, self.acts):
+            x = act(layer(x))
+        return self.head(x)
+
+
+class _Counting(_Stack):
+    """Bumps a Python counter, then calls the parent's forward: Dynamo then reaches the
+    submodules through ``self.__dict__['_modules']``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def _train_backend(model, steps, devices):
+    backend = rb.RoundPipeBackend(devices=["cpu"] * devices, num_microbatch=2)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        F.mse_loss(compiled(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return backend
+
+
+@pytest.mark.parametrize("cls", [_Stack, _Counting])
+def test_backend_module_paths_of_parameter_free_lists_and_super_forward(cls):
+    """The backend failed to compile both (``RuntimeError: dictionary changed size during
+    iteration``): a ``ModuleList`` of parameter-free modules is named by no parameter, so
+    its path was added while the module tree was being walked; and after
+    ``self.calls += 1`` Dynamo's sources read ``L['self'].__dict__['_modules']['layers']``,
+    which gave the state names ``weight``/``bias`` for ``head.weight``/``head.bias``."""
+    torch.manual_seed(0)
+    model = cls()
+    eager = copy.deepcopy(model)
+    backend = _train_backend(model, steps=2, devices=2)
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        F.mse_loss(eager(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=name)
+    plan = backend.plans[0]
+    assert {s.fqn for s in plan.program.state if s.kind == "parameter"} \
+        == {n for n, _ in model.named_parameters()}
+    assert [u.name for u in plan.units][-1] == "head"
+    assert all("__dict__" not in u.name for u in plan.units)
+    if cls is _Counting:
+        assert model.calls == eager.calls == 2
