@@ -457,6 +457,72 @@ def test_reentrant_checkpoint_inside_a_block_keeps_its_gradients():
     pipe.close()
 
 
+class _STEWrap(torch.nn.Module):
+    """Not a layer unit: torch.fx traced through it (not kept opaque)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((8,), 0.7))
+
+    def forward(self, x):
+        return _STE.apply(x * self.scale)
+
+
+class _PlainSTENet(torch.nn.Module):
+    """A plain ``forward(x)``, which torch.fx can trace when export fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_PlainBlock() for _ in range(2)])
+        self.ste = _STEWrap()
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.ste(self.blocks[0](x))
+        return self.head(self.blocks[1](x))
+
+
+class _PlainTopLevel(torch.nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = torch.nn.ModuleList([_PlainBlock() for _ in range(3)])
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        for b in self.blocks[1:]:
+            x = (torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True)
+                 if self.reentrant else _STE.apply(b(x)))
+        return self.head(x)
+
+
+def test_a_custom_function_is_not_traced_through_by_the_fx_fallback():
+    """Export refused the Function, then the torch.fx fallback (tried before keeping the
+    calling module opaque) ran its forward on proxies and recorded plain ops: the
+    straight-through gradient became the rounding's (0.7-scaled parameters' gradients
+    off by 100%), silently.  fx now refuses it too, so the module is kept opaque."""
+    torch.manual_seed(0)
+    model = _PlainSTENet().double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe = _matches_eager(model, (x,), {}, torch.randn(6, 2, dtype=torch.float64))
+    assert pipe.plan.program.trace_method == "export-leaves"
+    pipe.close()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_custom_function_in_a_plain_top_level_forward_is_refused(reentrant):
+    """The same in the model's own forward, where nothing can be kept opaque: before,
+    fx recorded the Function's forward (reentrant checkpointing's, under no_grad: no
+    parameter got any gradient); now refused before anything runs."""
+    x = torch.randn(6, 8, dtype=torch.float64)
+    with pytest.raises(TraceError) as info:
+        RoundPipe(_PlainTopLevel(reentrant).double(), devices=["cpu"]).compile((x,))
+    name = "CheckpointFunction" if reentrant else "_STE"
+    assert f"{name} is a torch.autograd.Function with a backward of its own" in str(info.value)
+    assert "call the autograd.Function from a submodule's forward" in str(info.value)
+
+
 class _ScaleAttn(_FlagAttn):
     def forward(self, x, scale):
         if scale > 1.2:  # data-dependent on a float

@@ -6,7 +6,9 @@ word (a straight-through estimator's gradient becomes zero, a surrogate gradient
 the true one).  While export runs, a call of such a Function raises
 :class:`CustomBackwardFunction` inside the module that made it; the trace pass then keeps
 that module opaque (see :mod:`roundpipe.passes.leaves`), so it runs eagerly and autograd
-calls the Function's backward as in eager PyTorch.
+calls the Function's backward as in eager PyTorch.  The ``torch.fx`` fallback is refused
+the same way: symbolic tracing runs the Function's forward on proxies and records its
+operations, so its backward would be dropped there too.
 
 torch's own Functions are left alone (their backward is the derivative of their
 forward), except reentrant ``torch.utils.checkpoint``, whose forward runs under
@@ -34,7 +36,7 @@ class CustomBackwardFunction(Exception):
     def __init__(self, function: type) -> None:
         super().__init__(
             f"{function.__module__}.{function.__qualname__} is a torch.autograd.Function "
-            "with a backward of its own, which export would replace by the derivative of "
+            "with a backward of its own, which tracing would replace by the derivative of "
             "its forward")
         self.function = function
 
@@ -44,8 +46,10 @@ def _needs_own_backward(function: type, args: tuple[Any, ...], kwargs: dict[str,
     module = function.__module__ or ""
     if module.split(".")[0] == "torch" and function.__name__ != "CheckpointFunction":
         return False
+    # A torch.fx Proxy (the fallback tracer's values) carries no dtype: counted too.
     return torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+        isinstance(x, torch.fx.Proxy)
+        or isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
         for x in pytree.tree_leaves((args, kwargs)))
 
 

@@ -1126,7 +1126,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     concrete = {name: v for name, v in values.items() if not isinstance(v, torch.Tensor)}
     tracer = _LeafTracer(leaves)
     initial_grad = torch.is_grad_enabled()
-    with fx_records_grad_mode(tracer), inference_mode_as_no_grad():
+    with fx_records_grad_mode(tracer), inference_mode_as_no_grad(), refuse_custom_backward():
         graph = tracer.trace(model, concrete_args=concrete)
     mark_mode_regions(graph, initial_grad=initial_grad)
     for node in list(graph.nodes):
