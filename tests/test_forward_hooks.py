@@ -90,6 +90,13 @@ CARRIED: dict[str, Callable] = {
     # enable_input_require_grads (transformers, PEFT)
     "requires_grad": lambda m: m[0].register_forward_hook(
         lambda mod, a, out: out.requires_grad_(True)),
+    # on the model itself (export's call of the model packs its inputs: these hooks
+    # were handed the packed tuple, and the changed input or output was dropped)
+    "root_pre_hook": lambda m: m.register_forward_pre_hook(lambda mod, a: (a[0] * 2,)),
+    "root_pre_hook_kwargs": lambda m: m.register_forward_pre_hook(
+        lambda mod, a, kw: ((a[0] - 0.3,), kw), with_kwargs=True),
+    "root_hook_kwargs": lambda m: m.register_forward_hook(
+        lambda mod, a, kw, out: out * a[0].mean(), with_kwargs=True),
 }
 
 
@@ -113,3 +120,46 @@ def test_hooks_whose_work_is_traced_train_as_eager(how: str, devices: int) -> No
     for n, b in eager.named_buffers():
         torch.testing.assert_close(dict(model.named_buffers())[n], b, rtol=1e-12,
                                    atol=1e-14, msg=n)
+
+
+class _Branching(nn.Module):
+    """Data-dependent Python: export fails inside it, and torch.fx could trace the model
+    with the layer units kept opaque."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = x * 1.5
+        return torch.tanh(self.lin(x))
+
+
+class _BranchingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Branching() for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_hook_on_the_model_is_not_dropped_by_the_fx_fallback() -> None:
+    """torch.fx traces the class's forward, without the hooks on the model: it is no longer
+    used for such a model (export keeps the failing blocks opaque instead)."""
+    torch.manual_seed(0)
+    model = _BranchingNet().double()
+    model.register_forward_pre_hook(lambda mod, a: (a[0] * 2,))
+    x, y = torch.randn(4, 4, dtype=torch.double), torch.randn(4, 4, dtype=torch.double)
+    eager = copy.deepcopy(model)
+    want = reference.eager_forward_backward(eager, (x,), {}, y, F.mse_loss, 2)
+    with _pipe(model) as pipe:
+        got = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        grads = {n: p.grad.clone() for n, p in pipe.optim_named_parameters()}
+        assert pipe.plan.program.trace_method == "export-leaves"
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    for n, p in eager.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-12, atol=1e-14, msg=n)

@@ -148,11 +148,17 @@ def trace(
     # One trace at a time: export, and the block sharing inside it, patch nn.Module
     # process-wide while they run.
     with _TRACE_LOCK, torch.set_grad_enabled(grad), fake_tensor_errors_to_debug():
-        with _watch_buffer_reassignment(model) as reassigned, \
-                watch_forward_hooks(model) as hooks_watch:
-            traced = _trace(model, example_args, example_kwargs, leaf_modules=leaf_modules,
-                            opaque_modules=opaque_modules, dynamic=dynamic,
-                            share_blocks=share_blocks)
+        # The user's own hooks on the model (the passes below add theirs while tracing).
+        _ROOT_HOOKS.ids = (frozenset(model._forward_pre_hooks),
+                           frozenset(model._forward_hooks))
+        try:
+            with _watch_buffer_reassignment(model) as reassigned, \
+                    watch_forward_hooks(model) as hooks_watch:
+                traced = _trace(model, example_args, example_kwargs,
+                                leaf_modules=leaf_modules, opaque_modules=opaque_modules,
+                                dynamic=dynamic, share_blocks=share_blocks)
+        finally:
+            del _ROOT_HOOKS.ids
         if hooks_watch.found:
             hooks = "; ".join(k.describe() for k in hooks_watch.found)
             raise ModelError(
@@ -173,6 +179,8 @@ def trace(
 
 
 _TRACE_LOCK = threading.Lock()
+# Ids of the traced model's own forward pre-hooks and hooks, set by trace() (under the lock).
+_ROOT_HOOKS = threading.local()
 
 
 @contextlib.contextmanager
@@ -664,14 +672,58 @@ def _clear_dim_markers(tree: Any) -> None:
                 delattr(leaf, attr)
 
 
-def _packed_forward(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """Give ``model`` (this instance) a ``forward(inputs)`` taking ``(args, kwargs)``."""
+@contextlib.contextmanager
+def _packed_forward(model: torch.nn.Module) -> Iterator[None]:
+    """Give ``model`` (this instance) a ``forward(inputs)`` taking ``(args, kwargs)``.
+
+    The user's forward pre-hooks and hooks on the model itself run inside it, on the
+    unpacked call, as eager's ``model(*args, **kwargs)`` runs them: left to ``__call__``,
+    they were handed the packed tuple, and a pre-hook's changed input (``(a[0] * 2,)``)
+    was dropped silently.  Their entries answer None meanwhile (same order, same keys for
+    the users' handles); roundpipe's own hooks there still see the packed call.  (Global
+    hooks do too.)"""
     inner = model.forward
+    pre_ids, post_ids = getattr(_ROOT_HOOKS, "ids", (frozenset(), frozenset()))
+    pre, post = model._forward_pre_hooks, model._forward_hooks
+    pre_kwargs = model._forward_pre_hooks_with_kwargs
+    post_kwargs = model._forward_hooks_with_kwargs
+    moved = [(table, key, table[key]) for table, ids in ((pre, pre_ids), (post, post_ids))
+             for key in list(table) if key in ids]
+    pre_hooks = [(key, fn) for table, key, fn in moved if table is pre]
+    post_hooks = [(key, fn) for table, key, fn in moved if table is post]
 
     def forward(inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
-        return inner(*inputs[0], **inputs[1])
+        args, kwargs = inputs
+        for key, hook in pre_hooks:
+            if key in pre_kwargs:
+                result = hook(model, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            else:
+                result = hook(model, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+        out = inner(*args, **kwargs)
+        for key, hook in post_hooks:
+            result = (hook(model, args, kwargs, out) if key in post_kwargs
+                      else hook(model, args, out))
+            if result is not None:
+                out = result
+        return out
 
-    return replaced_forward(model, forward)
+    for table, key, _ in moved:
+        table[key] = _no_hook
+    try:
+        with replaced_forward(model, forward):
+            yield
+    finally:
+        for table, key, fn in moved:
+            if key in table:
+                table[key] = fn
+
+
+def _no_hook(*_: Any, **__: Any) -> None:
+    return None
 
 
 def _quiet_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -1121,6 +1173,11 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         # Not a TraceError: this is one failed attempt, reported with the others.
         raise NotImplementedError(
             f"{type(model).__name__}.forward takes *args/**kwargs, which torch.fx cannot bind")
+    if any(getattr(_ROOT_HOOKS, "ids", ())):
+        # fx traces type(model).forward: the model's own hooks would be dropped.
+        raise NotImplementedError(
+            f"torch.fx traces {type(model).__name__}.forward without the forward hooks "
+            "registered on the model itself")
     # Non-tensor arguments (and arguments left at their default) are specialised.
     values = {p.name: bound.arguments.get(p.name, p.default) for p in params}
     concrete = {name: v for name, v in values.items() if not isinstance(v, torch.Tensor)}
