@@ -163,6 +163,31 @@ def test_the_callers_graph_runs_one_backward_on_the_calling_thread():
                                   for n in ("x", "bias", "scale", "label", "teacher"))
 
 
+def test_a_view_input_keeps_its_own_graph():
+    """An input that is a view of the tensor requiring grad (``h.view(...)``,
+    ``retain_grad()`` on it): its own ``.grad`` and hooks, as eager's, not only its
+    base's."""
+    model = _net()
+    eager = copy.deepcopy(model)
+    (_, bias, scale), _ = _inputs("none", "none", "none")
+    label = torch.randn(B, 2, dtype=torch.float64)
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(B, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    he = h.detach().clone().requires_grad_()
+    ue = he.view(B, 4)
+    ue.retain_grad()
+    _eager(eager, (ue, bias), {"scale": scale}, label, 3)
+    u = h.view(B, 4)
+    u.retain_grad()
+    calls = []
+    u.register_hook(lambda grad: calls.append(grad.shape))
+    with _pipe(model, 2, 3) as pipe:
+        pipe.forward_backward((u, bias), {"scale": scale}, label=label, loss_fn=_loss)
+    _close(u.grad, ue.grad, "the view's retained .grad")
+    _close(h.grad, he.grad, "its base's .grad")
+    assert calls == [torch.Size([B, 4])]
+
+
 def test_a_leaf_input_accumulates_over_calls_and_not_under_no_grad():
     """Two calls accumulate into ``x.grad``; a call under torch.no_grad() sends nothing
     (eager records no graph into the input then; the pipe's parameters still train)."""
