@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .backprop import GradRequest, attach_backward, refuse_hooks_split_by_microbatches
+from .backprop import (GradRequest, attach_backward, refuse_hooks_split_by_microbatches,
+                       refuse_unjoinable_splits)
 from .loss import mark_loss_fn_error, returned_loss, sum_losses
 from .input_grads import GradRoots, grad_roots, reached_parameters, send_grads
 from . import current
@@ -989,6 +990,9 @@ class RoundPipe:
                 self._hooks(entry, per_microbatch=False)
             if record and len(mbs) > 1:
                 refuse_hooks_split_by_microbatches(self.model, entry.plan.program, len(mbs))
+            if record and cfg.split_input is not None:
+                refuse_unjoinable_splits(entry.plan.program, (tuple(args), dict(kwargs)),
+                                         mbs)
             if record and callable(cfg.merge_output):
                 raise ConfigError(
                     "a callable merge_output cannot be differentiated through; use a merge "

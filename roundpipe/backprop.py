@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
-from .errors import ModelError, ParameterHookError
+from .errors import InputGradientError, ModelError, ParameterHookError
 from .runtime.call import GradTarget, PipelinedCall, pipelined
 from .runtime.host_state import fold_unit_grads
-from .runtime.microbatch import MergeColumn, join_input_grad
+from .runtime.microbatch import MergeColumn, input_path, join_input_grad
 from .runtime.signature import flat_leaves
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -217,3 +218,42 @@ def refuse_hooks_split_by_microbatches(model: torch.nn.Module, program: ModelPro
             "PyTorch runs it once on the whole batch's. Ways out: num_microbatch=1 for "
             "this call (RoundPipeRunConfig(num_microbatch=1), exact), or "
             "forward_backward(), which is eager's per-microbatch loop by definition")
+
+
+def refuse_unjoinable_splits(program: ModelProgram,
+                             full_inputs: tuple[tuple[Any, ...], dict[str, Any]],
+                             mbs: list) -> None:
+    """``pipe(x)``'s backward joins an input's microbatch gradients by concatenating them
+    along dim 0 (the default split) or summing them (read whole): an input that requires
+    grad and that ``split_input`` split otherwise (a callable's own pieces, another dim)
+    would get a wrong gradient, or a shape error at the backward.  Refused before the
+    forward runs."""
+    full_leaves = flat_leaves(program.inputs, *full_inputs) or []
+    mb_leaves = [flat_leaves(program.inputs, *mb) or [] for mb in mbs]
+    for pos, leaf in enumerate(full_leaves):
+        if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad
+                and program.inputs.names[pos] is not None):
+            continue
+        pieces = [leaves[pos] if pos < len(leaves) else None for leaves in mb_leaves]
+        if all(p is leaf for p in pieces) or _dim0_split(leaf, pieces):
+            continue
+        paths = pytree.tree_flatten_with_path(full_inputs)[0]
+        name = next((input_path(path) for path, v in paths if v is leaf), "an input")
+        raise InputGradientError(
+            f"{name} requires grad and split_input split it into microbatches otherwise "
+            "than along dim 0 (a callable's pieces, or another dim); the backward of "
+            "pipe(x) joins an input's gradient from its microbatch pieces by "
+            "concatenating them along dim 0, so it would be wrong. Nothing was run. Use "
+            "forward_backward(), which sends the gradient back through the pieces "
+            "themselves, split along dim 0, or pass the input detached")
+
+
+def _dim0_split(leaf: torch.Tensor, pieces: Sequence[Any]) -> bool:
+    """Whether ``pieces`` are ``leaf``'s dim-0 ``tensor_split`` views."""
+    if leaf.dim() == 0:
+        return False
+    with torch.no_grad():
+        expected = torch.tensor_split(leaf, len(pieces))
+    return all(isinstance(p, torch.Tensor) and p.data_ptr() == e.data_ptr()
+               and p.shape == e.shape and p.stride() == e.stride()
+               for p, e in zip(pieces, expected))

@@ -47,9 +47,10 @@ class InputError(RoundPipeError, ValueError):
 
 
 class InputGradientError(InputError):
-    """The gradient a ``forward_backward`` call would send into its inputs or label
-    cannot reach where it belongs exactly (their graph reaches a parameter of the pipe's
-    own model under data parallelism, or one with hooks); refused before anything runs."""
+    """The gradient a call would send into its inputs or label cannot reach where it
+    belongs exactly (``forward_backward``: their graph reaches a parameter of the pipe's
+    own model under data parallelism, or one with hooks; ``pipe(x)``: an input that
+    requires grad split otherwise than along dim 0); refused before anything runs."""
 
 
 class MergeError(RoundPipeError, ValueError):

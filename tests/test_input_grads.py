@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import roundpipe.optim
-from roundpipe import InputGradientError, RoundPipe, RoundPipeRunConfig
+from roundpipe import InputGradientError, RoundPipe, RoundPipeError, RoundPipeRunConfig
 
 B = 6  # batch
 
@@ -464,3 +464,47 @@ def test_hooks_on_a_parameter_the_input_reaches_are_refused(optim_dtype):
             pipe.forward_backward((model.emb(_ids()),), label=_ids(), loss_fn=_lm_loss)
         assert all(p.grad is None for p in pipe.optim_parameters())
     assert calls == []
+
+
+def test_pipe_x_refuses_an_input_split_otherwise_than_along_dim_0():
+    """pipe(x)'s backward concatenates an input's microbatch gradients along dim 0: a
+    ``split_input`` callable's own pieces or a split along another dim would get a wrong
+    gradient (the callable's, silently) or a shape error at the backward; refused before
+    the forward runs (forward_backward takes both, see above)."""
+    order = torch.tensor([5, 0, 3, 1, 4, 2])
+
+    def permuted(args, kwargs, n):
+        return [((args[0][p], args[1]), {"scale": kwargs["scale"][p]})
+                for p in order.tensor_split(n)]
+
+    refused = r"input_args\[0\] requires grad .*otherwise than along dim 0.*Nothing was run"
+    (x, bias, scale), _ = _inputs("leaf", "leaf", "none")
+    with _pipe(_net(), 2, 3) as pipe:
+        with pytest.raises(InputGradientError, match=refused):
+            pipe(x, bias, scale=scale, run_config=RoundPipeRunConfig(split_input=permuted))
+        with pytest.raises(RoundPipeError, match="no call has run yet"):
+            pipe.stats()  # nothing ran
+        # along dim 0 (given explicitly), or read whole: the gradient is eager's
+        eager = copy.deepcopy(pipe.model)
+        xe, be = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+        eager(xe, be, scale=scale).sum().backward()
+        pipe(x, bias, scale=scale,
+             run_config=RoundPipeRunConfig(split_input=((0, None), {"scale": 0}))
+             ).sum().backward()
+    _close(x.grad, xe.grad, "x.grad")
+    _close(bias.grad, be.grad, "bias.grad")
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, xt):
+            return self.b(torch.tanh(self.a(xt.t())))
+
+    xt = torch.randn(4, B, dtype=torch.float64, requires_grad=True)
+    with _pipe(Transposed().double(), 2, 2) as pipe:
+        with pytest.raises(InputGradientError, match=refused):
+            pipe(xt, run_config=RoundPipeRunConfig(split_input=((1,), {})))
+        with pytest.raises(RoundPipeError, match="no call has run yet"):
+            pipe.stats()  # nothing ran
