@@ -875,8 +875,11 @@ class RoundPipe:
         publish = [tuple(dict.fromkeys(specs[s].fqn for s in u.state
                                        if specs[s].kind == "parameter"))
                    for u in program.units]
+        read = {s for u in program.units for s in u.state}
+        loss_only = {s: spec.fqn for s, spec in specs.items()
+                     if s not in read and entry.host.trainable(s) and spec.fqn in masters}
         landing = LandingStep(optimizer, groups, masters, units, publish, self._landing,
-                              self._state.take_outside_grads)
+                              self._state.take_outside_grads, loss_only)
         before = self._state.fences.target
         calls, self._calls = self._calls, self._calls + 1  # as counted when step() runs
         counters = self._counters(steps=self._steps + 1)
@@ -961,12 +964,15 @@ class RoundPipe:
             if hooks.at_commit:  # tensor hooks first: an error in one commits nothing
                 grads, hooked = param_hooks.run_tensor_hooks(entry.host, hooks, grads,
                                                              result.mb_grads)
+            # loss_fn's gradients of parameters no unit reads, held by the call
+            held = param_hooks.held_loss_grads(entry.host, result.loss_grads) \
+                if result.loss_grads else []
             entry.host.commit(grads, result.buffers, result.grads_owned,
                               result.grads_holdable, result.grad_norms)
             self._stats = result.stats
             if count_call:  # a backward belongs to the forward call that was counted
                 self._calls += 1
-            param_hooks.accumulate(entry.host, hooked, len(result.losses))
+            param_hooks.accumulate(entry.host, hooked + held, len(result.losses))
 
         # On the optimizer thread: an interrupt of the caller cannot tear the commit.
         self._optimizer.run(commit)

@@ -539,9 +539,9 @@ def test_an_interrupt_while_the_call_waits_for_its_step_parts_nothing() -> None:
 
 @pytest.mark.parametrize("devices", [1, 3])
 def test_a_loss_fn_reading_a_parameter_adds_its_gradient_in_the_same_step(devices) -> None:
-    # A regularizer in loss_fn reads a model parameter: autograd accumulates that part of
-    # its gradient on the parameter itself (a use outside the pipe), during the call.
-    # pipe.step folds it into the master; the landing step must too, in this step.
+    # A regularizer in loss_fn reads a model parameter: that part of its gradient joins
+    # the unit's (never the parameter's .grad), and the landing step updates the unit
+    # with the sum, as pipe.step does, in this step.
     def run(landing: bool):
         model = _model()
         with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
@@ -564,7 +564,7 @@ def test_a_loss_fn_reading_a_parameter_adds_its_gradient_in_the_same_step(device
             pipe.synchronize()
             snap = _snapshot(pipe, opt)
             snap["losses"] = losses
-            assert weight.grad is None  # folded into its master and consumed
+            assert weight.grad is None  # the pipe's gradients are the masters'
         return snap, how
 
     (plain, _), (landed, how) = run(False), run(True)

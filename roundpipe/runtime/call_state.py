@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -88,9 +88,17 @@ class CallState:
     keep: frozenset[str] = frozenset()  # more values returned per microbatch (RunResult.values)
     hooks: HookPlan = NO_HOOKS  # where the parameters' autograd hooks run
     mb_grads: dict[str, list[tuple[int, int, torch.Tensor]]] = field(default_factory=dict)
-    # (microbatch, slot) -> loss_fn's part of a hooked parameter's gradient, on the host
-    # until the unit HookPlan.loss_joins names joins it (param_hooks.LossReads)
+    # loss_fn's reads of the model's trainable parameters (forward_backward): id of the
+    # parameter -> its slot, and slot -> the last unit reading it (its backward runs
+    # first), which joins loss_fn's part of the microbatch gradient into its own
+    loss_params: Mapping[int, str] = field(default_factory=dict)
+    loss_joins: Mapping[str, int] = field(default_factory=dict)
+    # (microbatch, slot) -> loss_fn's part of a parameter's gradient a unit reads, held
+    # until that unit joins it (never on the parameter's .grad: a failed call drops it)
     loss_grads: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # slot -> [(microbatch, gradient)] of the parameters only loss_fn reads, held until
+    # the commit (RunResult.loss_grads) or handed to on_grads as unit len(units)
+    loss_only: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     # Buffers every microbatch reads as the call began (pipe(x): eager writes them once
     # per call, from values no sample changes; see OutputMergePlan.per_call_state).
     fresh_state: frozenset[str] = frozenset()

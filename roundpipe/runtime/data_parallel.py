@@ -21,6 +21,9 @@ process guarantees:
   waiting: every replica then raises, none commits, and the group stays usable;
 * **the same fold**: reduced contributions are committed per (parameter, unit) through
   ``ModelState.commit_grads``, in descending unit order, as in a single process.
+* **loss_fn's part**: a parameter ``loss_fn`` reads is reduced with the rest: its part
+  joins the gradient of the last unit reading the parameter, and a parameter no unit
+  reads has entries of its own, as unit ``len(units)``, last in the layout.
 
 A gradient that a replica did not produce (a parameter its shard never reached) is sent
 as zeros with a presence flag of 0 appended to the bucket; a contribution reaches the
@@ -232,9 +235,14 @@ def _build_layout(host: HostState, units: Sequence[UnitProgram], reduce_dtype: A
     open_: dict[torch.dtype, tuple[list[_Entry], list[int]]] = {}
     order: list[torch.dtype] = []
     described: list[str] = []
-    for unit in reversed(units):
+    # Last, as unit len(units): the parameters no unit reads, whose gradient (if any)
+    # comes from loss_fn (the executor hands them over when the fused job ends).
+    read = {s for u in units for s in u.state}
+    loss_only = [s for s in host.specs if s not in read and host.trainable(s)]
+    for uid, slots in [*((u.index, u.state) for u in reversed(units)),
+                       (len(units), loss_only)]:
         seen: set[str] = set()
-        for slot in unit.state:
+        for slot in slots:
             if slot in seen or not host.trainable(slot):
                 continue
             seen.add(slot)
@@ -245,10 +253,9 @@ def _build_layout(host: HostState, units: Sequence[UnitProgram], reduce_dtype: A
             if dtype not in order:
                 order.append(dtype)
             name = host.specs[slot].fqn
-            entries.append(_Entry(unit.index, slot, name, param.shape, param.numel(),
-                                  size[0]))
+            entries.append(_Entry(uid, slot, name, param.shape, param.numel(), size[0]))
             size[0] += param.numel()
-            described.append(f"{unit.index}:{name}:{tuple(param.shape)}:{dtype}")
+            described.append(f"{uid}:{name}:{tuple(param.shape)}:{dtype}")
             if size[0] * dtype.itemsize >= cap_bytes:
                 closed.append((dtype, entries))
                 del open_[dtype]

@@ -168,6 +168,10 @@ class RunResult:
     # Per microbatch, the gradients of the label's leaves that require grad (by flat
     # leaf index); None unless a training call asked for input gradients.
     label_grads: list[dict[int, torch.Tensor]] | None = None
+    # Slot -> [(microbatch, gradient)] that loss_fn gave a parameter no unit reads (after
+    # its tensor hooks, in its dtype, by microbatch), for the commit to add; empty where
+    # on_grads took them (as unit len(units)).
+    loss_grads: dict[str, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
 
 
 class Executor:
@@ -190,6 +194,7 @@ class Executor:
         self.landing = landing if landing is not None else GradLanding(convert=False)
         self._grad_dtypes: dict[str, torch.dtype] = {}
         self.readers = collections.Counter(s for u in self.units for s in u.state)
+        self.last_reader = {s: u.index for u in self.units for s in u.state}
         # torch.compile'd unit programs (by unit index), made on first use.
         self.compile_backend = compile_backend
         self._runnables: dict[tuple[int, str], Callable[..., Any]] = {}
@@ -236,6 +241,10 @@ class Executor:
         call.admit = admit
         call.keep = keep
         call.hooks = hooks
+        # read as the call starts (requires_grad may change between calls)
+        trainable = [s for s in self.host.specs if self.host.trainable(s)]
+        call.loss_params = {id(self.host.tensors[s]): s for s in trainable}
+        call.loss_joins = {s: self.last_reader[s] for s in trainable if s in self.last_reader}
         return self._run(self._jobs(call, stash_for_backward=False), call)
 
     def forward(self, inputs: list[dict[str, Any]], *, record: bool, grain: str,
@@ -399,6 +408,11 @@ class Executor:
             if described is e:
                 raise e
             raise described from e
+        if call.loss_grads:  # never dropped silently
+            mb, slot = min(call.loss_grads)
+            raise RuntimeError(f"internal: loss_fn's gradient of {self.host.specs[slot].fqn!r} "
+                               f"(microbatch {mb}) was not joined by a unit; nothing was "
+                               "committed")
         for table, shares, device, start, end in call.timings:
             seconds = device.seconds_between(start, end)
             for unit, share in shares.items():
@@ -445,7 +459,9 @@ class Executor:
                          grad_norms=dict(call.grad_norms),
                          mb_grads={s: sorted(g, key=lambda c: c[:2])
                                    for s, g in call.mb_grads.items()},
-                         label_grads=call.label_grads)
+                         label_grads=call.label_grads,
+                         loss_grads={} if call.on_grads is not None else
+                         {s: sorted(g, key=lambda c: c[0]) for s, g in call.loss_only.items()})
 
     def _stage_peaks(self, jobs: list[Job]) -> dict[int, int]:
         """Each measured job's own peak, by stage (owners are job indices)."""

@@ -241,7 +241,27 @@ class JobRunner:
             call.buffers.update(staged_buffers)
         if call.on_grads is not None and self.job.kind in ("fused", "bwd"):
             with self.device.memory.host():  # the hook works on the host's copies
+                if self.job.kind == "fused":
+                    self._hand_over_loss_only()
                 call.on_grads(self.job.start, self.job.stop, staged_grads)
+
+    def _hand_over_loss_only(self) -> None:
+        """The gradients loss_fn gave parameters no unit reads go to ``on_grads`` as
+        those of unit ``len(units)`` (the data-parallel layout's, the landing step's
+        last): each summed over the microbatches in order, in its dtype, as a unit's
+        device sums them."""
+        staged = []
+        n = len(self.ex.units)
+        with self.call.lock:
+            held = {s: sorted(g, key=lambda c: c[0]) for s, g in self.call.loss_only.items()}
+        with torch.no_grad():
+            for slot, grads in held.items():
+                total = torch.empty_like(self.ex.host.tensors[slot])
+                total.copy_(grads[0][1])
+                for _, g in grads[1:]:
+                    total += g
+                staged.append((slot, n, total))
+        self.call.on_grads(n, n + 1, staged)  # type: ignore[misc]
 
     # --- values --------------------------------------------------------------------------
     def _upload(self, mb: int, value: torch.Tensor, category: str) -> torch.Tensor:
@@ -420,12 +440,12 @@ class JobRunner:
 
     def _join_loss_grads(self, unit: UnitProgram, mb: int, tensors: list[torch.Tensor],
                          grads: list[torch.Tensor]) -> None:
-        """loss_fn's part of a hooked parameter's microbatch gradient flows into this
-        unit's leaf of it through an identity view, in the same backward as the unit's
-        own part: autograd sums both before the leaf's hooks run, as eager's one
-        backward does (param_hooks.LossReads)."""
-        joins = self.call.hooks.loss_joins
-        if not joins:
+        """loss_fn's part of a parameter's microbatch gradient flows into this unit's
+        leaf of it through an identity view, in the same backward as the unit's own part:
+        autograd sums both (before the leaf's hooks run, param_hooks.LossReads), as
+        eager's one backward does, and the sum goes where the unit's gradients go."""
+        joins = self.call.loss_joins
+        if not self.call.loss_grads:
             return
         for slot in unit.state:
             if joins.get(slot) != unit.index:
@@ -532,25 +552,61 @@ class JobRunner:
         with torch.enable_grad(), self._autocast(), reads:
             loss = call.loss_fn(output, label)  # type: ignore[misc]
         _check_loss(loss, mb)
-        if joins and loss.requires_grad:  # before loss_fn's backward runs any hook
-            param_hooks.refuse_hooked_loss_reads(
-                loss, reads.params, {s: self.ex.host.specs[s].fqn for s in joins})
+        aliases = list(reads.aliases.items()) if joins else []
+        read: dict[str, torch.Tensor] = {}   # slot -> a parameter loss_fn's graph reaches
+        others: list[torch.Tensor] = []      # leaves that are not the pipe's (autograd's)
+        if loss.requires_grad and call.loss_params:
+            ours = {id(leaf) for _, leaf in (*out_leaves, *label_leaves, *aliases)}
+            for leaf in param_hooks.loss_leaves(loss):
+                slot = call.loss_params.get(id(leaf))
+                if slot is not None and self.ex.host.tensors[slot] is leaf:
+                    read[slot] = leaf
+                elif id(leaf) not in ours:
+                    others.append(leaf)
+            if joins:  # before loss_fn's backward runs any hook
+                param_hooks.refuse_hooked_loss_reads(
+                    read, {s: self.ex.host.specs[s].fqn for s in joins})
         if mb == call.num_mb - 1 and call.on_losses is not None:
             self._losses_in(loss, mb)
         acc: dict[str, torch.Tensor] = {}
         if loss.requires_grad:
-            loss.backward()
-            for name, leaf in out_leaves:
-                if leaf.grad is not None:
-                    self._add_grad(mb, name, leaf.grad, acc)
-            if joins:
-                with call.lock:
-                    call.loss_grads.update(((mb, s), a.grad) for s, a in reads.aliases.items()
-                                           if a.grad is not None)
+            held: list[tuple[str, torch.Tensor | None]]
+            labels: list[tuple[int, torch.Tensor | None]]
+            if not read:  # loss_fn read no parameter of the pipe (or only hooked ones)
+                loss.backward()
+                for name, leaf in out_leaves:
+                    if leaf.grad is not None:
+                        self._add_grad(mb, name, leaf.grad, acc)
+                held = [(s, a.grad) for s, a in aliases]
+                labels = [(i, leaf.grad) for i, leaf in label_leaves]
+            else:
+                # loss_fn read parameters: their part of the gradient is held by the call
+                # (joined into the unit reading them, or committed at the end), never
+                # accumulated on .grad now, so a call that fails later changes nothing.
+                inputs = ([leaf for _, leaf in out_leaves] + [leaf for _, leaf in label_leaves]
+                          + [a for _, a in aliases] + list(read.values()))
+                got = list(torch.autograd.grad(loss, inputs, allow_unused=True,
+                                               retain_graph=bool(others)))
+                if others:  # tensors of loss_fn's own (not the pipe's): as autograd does
+                    torch.autograd.backward(loss, inputs=others)
+                for (name, _), g in zip(out_leaves, got):
+                    if g is not None:
+                        self._add_grad(mb, name, g, acc)
+                got = got[len(out_leaves):]
+                labels = [(i, g) for (i, _), g in zip(label_leaves, got)]
+                got = got[len(label_leaves):]
+                held = list(zip([s for s, _ in aliases] + list(read), got))
+            with call.lock:
+                for slot, g in held:
+                    if g is None:
+                        continue
+                    if slot in call.loss_joins:
+                        call.loss_grads[(mb, slot)] = g
+                    else:
+                        call.loss_only.setdefault(slot, []).append((mb, g))
             if call.label_grads is not None:
                 call.label_grads[mb].update(
-                    (i, self.device.download(leaf.grad, "grads"))
-                    for i, leaf in label_leaves if leaf.grad is not None)
+                    (i, self.device.download(g, "grads")) for i, g in labels if g is not None)
         for unit in reversed(self.units):
             self._backward_unit(unit, mb, values, acc, leaves)
         self._flush_grads(mb, acc)

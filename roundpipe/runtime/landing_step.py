@@ -40,14 +40,17 @@ class LandingStep:
     ``units``: per program unit, ``(slot -> master name)`` of its trainable parameters;
     ``publish``: per program unit, every parameter name its fences cover;
     ``outside(names)``: the gradients autograd left on those model parameters during the
-    call (a ``loss_fn`` reading one: a use outside the pipe), taken off them."""
+    call (a use outside the pipe), taken off them; ``loss_only``: slot -> master name of
+    the parameters no unit reads, whose gradients (from ``loss_fn``) the call hands to
+    :meth:`on_grads` as those of unit ``len(units)``."""
 
     def __init__(self, optimizer: Any, groups: list[dict[str, Any]],
                  masters: dict[str, torch.Tensor], units: Sequence[dict[str, str]],
                  publish: Sequence[tuple[str, ...]], landing: GradLanding,
-                 outside: Callable[[Iterable[str]], dict[str, torch.Tensor]] = dict
-                 ) -> None:
+                 outside: Callable[[Iterable[str]], dict[str, torch.Tensor]] = dict,
+                 loss_only: dict[str, str] | None = None) -> None:
         self.outside = outside
+        self.loss_only = dict(loss_only or {})
         self.optimizer = optimizer
         self.groups = groups
         self.masters = masters
@@ -150,10 +153,9 @@ class LandingStep:
                 staged = self._grads.pop(k, [])
             grads = {id(self.masters[self.units[k][slot]]): t for slot, _, t in staged
                      if slot in self.units[k]}
-            # A loss_fn reading a parameter of this unit left that part of its gradient
-            # on the parameter, final once the last microbatch's backward passed the
-            # loss (before any unit's gradients are final): pipe.step adds it to the
-            # master's gradient (ModelState.fold_outside_grads), in float32, and so here.
+            # (loss_fn's part of a parameter this unit reads is in the unit's gradient.)
+            # A use outside the pipe left a gradient on the parameter: pipe.step adds it
+            # to the master's gradient (ModelState.fold_outside_grads), and so here.
             for name, extra in self.outside(self.units[k].values()).items():
                 master = self.masters[name]
                 add = extra.to(master.dtype)
@@ -169,18 +171,26 @@ class LandingStep:
             with self._cond:
                 self._consumed.add(k)
                 self._cond.notify_all()
-        # What no unit reads gets its gradient (if any) from outside uses only (loss_fn),
-        # final once the call ended; a gradient reaching a unit's parameter from outside
-        # after its update could no longer be added (none should: a call whose inputs'
-        # graph reaches a parameter of the pipe's model steps in the plain order), so it
-        # fails the step rather than vanish.
+        # What no unit reads gets its gradient (if any) from loss_fn (handed over as unit
+        # n's, summed over the microbatches in the parameter's dtype, as the plain
+        # commit sums it) and from outside uses, final once the call ended; a gradient
+        # reaching a unit's parameter from outside after its update could no longer be
+        # added (none should: a call whose inputs' graph reaches a parameter of the
+        # pipe's model steps in the plain order), so it fails the step rather than vanish.
         with self._cond:
             while self._ended is None:
                 self._cond.wait()
+            held = self._grads.pop(n, [])
         if self.rest:
-            extra = self.outside(self.rest) if self._ended else {}
-            grads = {id(self.masters[name]): t.to(self.masters[name].dtype)
-                     for name, t in extra.items()}
+            grads = {}
+            for slot, _, t in held if self._ended else ():
+                master = self.masters[self.loss_only[slot]]
+                grads[id(master)] = t.to(master.dtype)
+            for name, t in (self.outside(self.rest) if self._ended else {}).items():
+                master = self.masters[name]
+                add = t.to(master.dtype)
+                held_grad = grads.get(id(master))
+                grads[id(master)] = add if held_grad is None else held_grad + add
             schedule.before_unit(n)
             if grads:
                 self.optimizer.step_landed(self.groups, grads, stage)

@@ -29,8 +29,10 @@ backward runs none of their hooks; the alias's gradient then joins the gradient 
 last unit reading the parameter inside that unit's backward, before the hooks (on the
 device, or at the commit) see it.  A read the mode cannot see (a custom autograd
 Function given the parameter, TorchScript) is refused before ``loss_fn``'s backward runs
-(:func:`refuse_hooked_loss_reads`).  A hooked parameter only ``loss_fn`` reads is left to
-autograd, which runs its hooks once per microbatch on its whole gradient, as eager does.
+(:func:`refuse_hooked_loss_reads`).  A hooked parameter only ``loss_fn`` reads needs no
+alias: ``torch.autograd.grad`` runs its tensor hooks once per microbatch on its whole
+gradient as it takes it, as eager does, and the commit runs its post-accumulate hooks
+after adding each microbatch's (:func:`held_loss_grads`).
 
 Hooks are read when a call (or a backward) starts, so hooks registered or removed between
 calls take effect at the next one.  Tensor hooks run on gradients in the parameter's
@@ -197,14 +199,11 @@ class LossReads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def refuse_hooked_loss_reads(loss: torch.Tensor, params: Mapping[str, torch.Tensor],
-                             names: Mapping[str, str]) -> None:
-    """A hooked parameter of ``params`` (slot -> parameter) still in ``loss``'s graph:
-    ``loss_fn`` read it where :class:`LossReads` could not see (a custom autograd
-    Function given it, TorchScript, code run with torch functions disabled), and its
-    backward would run the hooks on ``loss_fn``'s part alone.  Raised before that
-    backward: the call commits nothing."""
-    by_id = {id(p): slot for slot, p in params.items()}
+def loss_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The leaves ``loss``'s backward would accumulate into (its graph's AccumulateGrad
+    nodes), found by walking the graph; in the fused tail that is ``loss_fn``'s own part
+    (the model's outputs are leaves there), a few nodes."""
+    leaves: list[torch.Tensor] = []
     seen: set[Any] = set()
     stack = [loss.grad_fn] if loss.grad_fn is not None else []
     while stack:
@@ -213,20 +212,30 @@ def refuse_hooked_loss_reads(loss: torch.Tensor, params: Mapping[str, torch.Tens
             continue
         seen.add(node)
         if node.name() == "torch::autograd::AccumulateGrad":  # a leaf's
-            variable = node.variable
-            slot = by_id.get(id(variable))
-            if slot is not None and params[slot] is variable:
-                raise ParameterHookError(
-                    f"parameter {names[slot]!r} has hooks and is read both by the model "
-                    "and by loss_fn in a way roundpipe cannot see (a custom autograd "
-                    "Function given the parameter, TorchScript, or torch functions "
-                    "disabled): loss_fn's backward would run its hooks on loss_fn's part "
-                    "of the gradient alone, where eager runs them once on the "
-                    "microbatch's whole gradient. Nothing was committed. Read the "
-                    "parameter through torch operations in loss_fn, read it inside the "
-                    "model's forward, or remove the hook")
+            leaves.append(node.variable)
             continue
         stack.extend(n for n, _ in node.next_functions)
+    return leaves
+
+
+def refuse_hooked_loss_reads(read: Mapping[str, torch.Tensor],
+                             names: Mapping[str, str]) -> None:
+    """A hooked parameter of ``names`` (slot -> name) among ``read`` (the parameters
+    still in the loss's graph, :func:`loss_leaves`): ``loss_fn`` read it where
+    :class:`LossReads` could not see (a custom autograd Function given it, TorchScript,
+    code run with torch functions disabled), and its backward would run the hooks on
+    ``loss_fn``'s part alone.  Raised before that backward: the call commits nothing."""
+    for slot in read:
+        if slot in names:
+            raise ParameterHookError(
+                f"parameter {names[slot]!r} has hooks and is read both by the model "
+                "and by loss_fn in a way roundpipe cannot see (a custom autograd "
+                "Function given the parameter, TorchScript, or torch functions "
+                "disabled): loss_fn's backward would run its hooks on loss_fn's part "
+                "of the gradient alone, where eager runs them once on the "
+                "microbatch's whole gradient. Nothing was committed. Read the "
+                "parameter through torch operations in loss_fn, read it inside the "
+                "model's forward, or remove the hook")
 
 
 def refuse_unreached(host: HostState, handed: Iterable[str],
@@ -358,6 +367,32 @@ def _check_hook_result(name: str, grad: torch.Tensor, out: Any) -> None:
                else f"a {type(out).__name__}")
             + f" for a gradient of shape {tuple(grad.shape)}; a tensor hook must return "
             "None or a tensor of the gradient's shape")
+
+
+def held_loss_grads(host: HostState,
+                    loss_grads: Mapping[str, Sequence[tuple[int, torch.Tensor]]]
+                    ) -> list[_Hooked]:
+    """The gradients ``loss_fn`` gave parameters no unit reads, held by the call (slot ->
+    [(microbatch, gradient)], tensor hooks applied as autograd captured them), as
+    :func:`accumulate` adds them: without masters one addition per microbatch, as
+    eager's AccumulateGrad makes them (post-accumulate hooks after each); with masters
+    their sum over the microbatches in the parameter's dtype, converted once, as a
+    unit's gradient is summed on its device."""
+    held = []
+    with torch.no_grad():
+        for slot, grads in loss_grads.items():
+            if not grads:
+                continue
+            param = host.tensors[slot]
+            # fresh tensors: .grad never aliases what autograd or a hook returned
+            parts = [(mb, torch.empty_like(param).copy_(g)) for mb, g in grads]
+            if host.shared.has_masters:
+                total = parts[0][1]
+                for _, g in parts[1:]:
+                    total += g
+                parts = [(0, total.to(host.grad_dtype(slot)))]
+            held.append(_Hooked(host.specs[slot].fqn, param, parts))
+    return held
 
 
 def accumulate(host: HostState, hooked: list[_Hooked], num_backwards: int) -> None:
