@@ -58,6 +58,30 @@ from .runtime.signature import flatten_inputs, leading_size, matches
 log = logging.getLogger(__name__)
 
 
+
+_MAX_PROGRAMS = 16  # programs a pipe keeps (shapes, modes, attribute values)
+_PLAIN = (bool, int, float, str, type(None))  # attribute values a program's key holds
+
+
+def _same_attributes(attributes: tuple[tuple[torch.nn.Module, str, Any], ...]) -> bool:
+    """Whether the plain attributes a program read while traced still hold its values."""
+    return all(_same_value(getattr(m, name, None), value) for m, name, value in attributes)
+
+
+def _same_value(now: Any, value: Any) -> bool:
+    return type(now) is type(value) and (now == value or (now != now and value != value))
+
+
+def _changed_attributes(model: torch.nn.Module,
+                        attributes: tuple[tuple[torch.nn.Module, str, Any], ...]
+                        ) -> Iterator[str]:
+    paths = {id(m): p for p, m in model.named_modules()}
+    for m, name, value in attributes:
+        now = getattr(m, name, None)
+        if not _same_value(now, value):
+            path = paths.get(id(m), "?")
+            yield f"{path + '.' if path else ''}{name} ({value!r} -> {now!r})"
+
 class RoundPipe:
     """Train or run ``model`` with dispatch pipeline parallelism.
 
@@ -382,26 +406,55 @@ class RoundPipe:
     def _training_flags(self) -> tuple[bool, ...]:
         return tuple(m.training for m in self.model.modules())
 
+    def _module_key(self) -> tuple:
+        """What a program was traced against besides its inputs and modes: the module tree
+        (each module's identity) and the forward and backward hooks registered on its
+        modules and globally.  A submodule replaced (``model.act = nn.ReLU()``) or a hook
+        added or removed after a call used to keep the old program silently; a new key
+        traces again, as eager would run the new code."""
+        g = torch.nn.modules.module
+        key: list[Any] = [tuple(g._global_forward_pre_hooks), tuple(g._global_forward_hooks),
+                          tuple(g._global_backward_pre_hooks), tuple(g._global_backward_hooks)]
+        for m in self.model.modules():
+            key.append((id(m), tuple(m._forward_pre_hooks), tuple(m._forward_hooks),
+                        tuple(m._backward_pre_hooks), tuple(m._backward_hooks)))
+        return tuple(key)
+
     def _compiled_for(self, mbs: list[tuple[tuple[Any, ...], dict[str, Any]]],
                       full_args: tuple[Any, ...], full_kwargs: dict[str, Any],
                       cfg: ResolvedRunConfig, grad: bool = True) -> CompiledProgram:
         training = self._training_flags()
+        modules = self._module_key()
         autocast = self._autocast()
         cap = self._memory_cap(cfg)
         for entry in self._compiled:
-            if entry.training == training and entry.autocast == autocast \
-                    and entry.grad == grad and all(
+            if entry.training == training and entry.modules == modules \
+                    and entry.autocast == autocast and entry.grad == grad \
+                    and _same_attributes(entry.attributes) and all(
                     matches(entry.plan.program.inputs, a, k) for a, k in mbs):
                 self._use_cap(entry, cap, cfg)
                 self._current = entry
                 return entry
+        changed = next((c for e in self._compiled if e.modules == modules
+                        for c in _changed_attributes(self.model, e.attributes)), None)
+        if changed is not None:
+            log.warning("roundpipe: %s changed since the call that traced %s: tracing "
+                        "again (its value is a constant of the program; a value that "
+                        "changes every call is better passed to forward as a tensor)",
+                        changed, type(self.model).__name__)
+        # Programs of a module tree or hooks that changed since are not run again (a
+        # hook's id never comes back): dropped, so that adding hooks per step does not
+        # pile programs up; so is the oldest beyond _MAX_PROGRAMS (attribute values).
+        self._compiled = [e for e in self._compiled if e.modules == modules]
+        del self._compiled[:max(0, len(self._compiled) + 1 - _MAX_PROGRAMS)]
         # Trace one microbatch when it has at least 2 samples (a batch of 1 would be
         # specialised by export); otherwise the whole batch, costs scaled per microbatch.
         first_args, first_kwargs = mbs[0]
         per_mb = leading_size(first_args, first_kwargs) >= 2
         example = (first_args, first_kwargs) if per_mb else (full_args, full_kwargs)
         if self._compiled:
-            log.info("roundpipe: recompiling %s for a new input signature or mode",
+            log.info("roundpipe: recompiling %s for a new input signature, mode, module, hook "
+                     "or attribute value",
                      type(self.model).__name__)
         with tracing_autocast(self.devices[0].torch_device.type, autocast):
             try:
@@ -439,7 +492,13 @@ class RoundPipe:
         if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
             pin_host_state(self._state, host, self.pin_memory)
         executor = Executor(plan, host, self.devices, self._landing, self.compile_units)
-        entry = CompiledProgram(plan, host, executor, training, analysis, autocast, grad=grad)
+        reads = analysis.traced.attribute_reads if analysis.traced is not None else ()
+        attributes = tuple((m, name, value) for m, name, value in (
+            (m, name, getattr(m, name, None)) for m, name in
+            ((self.model.get_submodule(p), name) for p, name in reads))
+            if type(value) in _PLAIN)  # (an opaque module's recording run may set a tensor)
+        entry = CompiledProgram(plan, host, executor, training, analysis, autocast, grad=grad,
+                                modules=modules, attributes=attributes)
         entry.by_cap[(cap, cfg.num_microbatch, cfg.recompute_grain)] = (entry.plan,
                                                                          entry.executor)
         self._compiled.append(entry)

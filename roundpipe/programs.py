@@ -47,6 +47,11 @@ class CompiledProgram:
     # The grad mode traced in: a pipe(x) under no_grad gets a program of its own, since
     # model code may branch on grad mode (nn.MultiheadAttention's fast path).
     grad: bool = True
+    # The module tree and hooks traced against (RoundPipe._module_key).
+    modules: tuple = ()
+    # (module, attribute, value) of the plain values its code read (trace's
+    # attribute_reads): another value makes another program.
+    attributes: tuple = ()
     # Output merge plans by the way calls split the inputs (value -> dim).
     merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
     # Plans (and their executors) by (memory cap, num_microbatch, recompute grain).

@@ -107,6 +107,10 @@ class TracedGraph:
     leaves: tuple[str, ...] = ()
     copied: tuple[str, ...] = ()
     tensor_hooks: tuple[str, ...] = ()
+    # (module path, attribute) of the plain Python values (numbers, strings, None) the
+    # model's code read from its modules while traced, for every module of the reading
+    # module's class (copied blocks read nothing): the program holds them as constants.
+    attribute_reads: tuple[tuple[str, str], ...] = ()
 
 
 def trace(
@@ -153,12 +157,16 @@ def trace(
                            frozenset(model._forward_hooks))
         try:
             with _watch_buffer_reassignment(model) as reassigned, \
-                    watch_forward_hooks(model) as hooks_watch:
+                    watch_forward_hooks(model) as hooks_watch, \
+                    _watch_attribute_reads(model) as read:
                 traced = _trace(model, example_args, example_kwargs,
                                 leaf_modules=leaf_modules, opaque_modules=opaque_modules,
                                 dynamic=dynamic, share_blocks=share_blocks)
         finally:
             del _ROOT_HOOKS.ids
+        traced = dataclasses.replace(traced, attribute_reads=tuple(
+            (path, name) for path, m in model.named_modules() for cls, name in sorted(
+                read, key=lambda r: (r[0].__qualname__, r[1])) if type(m) is cls))
         if hooks_watch.found:
             hooks = "; ".join(k.describe() for k in hooks_watch.found)
             raise ModelError(
@@ -179,6 +187,39 @@ def trace(
 
 
 _TRACE_LOCK = threading.Lock()
+
+_PLAIN_VALUES = (bool, int, float, str, type(None))
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_ROUNDPIPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+@contextlib.contextmanager
+def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[set[tuple[type, str]]]:
+    """(class, attribute) of the plain Python values (``self.scale``, ``self.n_heads``)
+    the model's own code reads from its modules while tracing.  The traced program holds
+    them as constants, so a value changed after the call (``model.block.scale = 2.0``)
+    must make a new program (``RoundPipe`` compares them at every call); it used to keep
+    the old value silently.  ``training`` is keyed apart; reads by torch's and
+    roundpipe's own code do not count."""
+    modules = {id(m) for m in model.modules()}
+    found: set[tuple[type, str]] = set()
+    thread = threading.get_ident()
+    getattribute = object.__getattribute__
+
+    def watched(self: torch.nn.Module, name: str) -> Any:
+        value = getattribute(self, name)
+        if (type(value) in _PLAIN_VALUES and name != "training" and not name.startswith("__")
+                and id(self) in modules and threading.get_ident() == thread
+                and not sys._getframe(1).f_code.co_filename.startswith(
+                    (_TORCH_DIR, _ROUNDPIPE_DIR))):
+            found.add((type(self), name))
+        return value
+
+    torch.nn.Module.__getattribute__ = watched  # type: ignore[method-assign]
+    try:
+        yield found
+    finally:
+        del torch.nn.Module.__getattribute__
 # Ids of the traced model's own forward pre-hooks and hooks, set by trace() (under the lock).
 _ROOT_HOOKS = threading.local()
 
