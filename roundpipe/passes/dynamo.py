@@ -534,7 +534,8 @@ _VIEW_FUNCTIONS = {torch.transpose, torch.permute, torch.reshape, torch.unsqueez
                    torch.squeeze, torch.narrow, torch.select, torch.flatten, torch.split,
                    torch.chunk, torch.unbind, torch.movedim, torch.swapaxes, torch.t,
                    torch.diagonal, torch.as_strided, torch.tensor_split, torch.detach,
-                   operator.getitem}
+                   operator.getitem,
+                   torch._C._autograd._get_data_attr}  # ``t.data`` in Dynamo's graphs
 
 
 def alias_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -542,7 +543,10 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
     (over-approximating aliasing only merges units that could have stayed apart)."""
     while True:
         aliasing = ((node.op == "call_method" and node.target in _VIEW_METHODS)
-                    or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS))
+                    or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+                    # ``t.data`` (torch.fx records the attribute read): t's storage
+                    or (node.op == "call_function" and node.target is getattr
+                        and node.args[1:2] == ("data",)))
         if not aliasing or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return node
         node = node.args[0]

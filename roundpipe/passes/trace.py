@@ -1119,14 +1119,17 @@ def _refuse_constant_writes(model: torch.nn.Module, graph: torch.fx.Graph,
 
 
 def _refuse_parameter_writes(model: torch.nn.Module, graph: torch.fx.Graph,
-                             params: dict[str, str]) -> None:
+                             params: dict[str, str],
+                             written_roots: Callable[[torch.fx.Node], set[str]] = _written_roots
+                             ) -> None:
     """A parameter written in place by the forward (``nn.Embedding(max_norm=...)``'s
-    renorm, ``self.weight.clamp_(...)`` under no_grad) is written on the device's copy
-    only: the host weights, and so the optimizer's, never got the write.  Refused."""
+    renorm, ``self.weight.clamp_(...)`` under no_grad, ``w.data.clamp_()``) is written on
+    the device's copy only: the host weights, and so the optimizer's, never got the
+    write.  Refused."""
     for node in graph.nodes:
-        if node.op != "call_function":
+        if node.op not in ("call_function", "call_method"):
             continue
-        hit = sorted(params[r] for r in _written_roots(node) if r in params)
+        hit = sorted(params[r] for r in written_roots(node) if r in params)
         if hit:
             where = node.meta.get(MODULE_PATH) or "the top-level forward"
             raise ModelError(
@@ -1224,7 +1227,8 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     concrete = {name: v for name, v in values.items() if not isinstance(v, torch.Tensor)}
     tracer = _LeafTracer(leaves)
     initial_grad = torch.is_grad_enabled()
-    with fx_records_grad_mode(tracer), inference_mode_as_no_grad(), refuse_custom_backward():
+    with fx_records_grad_mode(tracer), inference_mode_as_no_grad(), \
+            refuse_custom_backward(), _refuse_data_assignment():
         graph = tracer.trace(model, concrete_args=concrete)
     mark_mode_regions(graph, initial_grad=initial_grad)
     for node in list(graph.nodes):
@@ -1305,6 +1309,9 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     _refuse_constant_writes(model, graph, {s.name: s.fqn for s in state
                                            if s.kind == "constant"},
                             _torch_level_written_roots)
+    _refuse_parameter_writes(model, graph, {s.name: s.fqn for s in state
+                                            if s.kind == "parameter"},
+                             _torch_level_written_roots)
 
     # Flat outputs from the returned structure.
     out_node = next(n for n in graph.nodes if n.op == "output")
@@ -1340,6 +1347,25 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         method="fx",
         tensor_hooks=tuple(fx_hooks),
     )
+
+
+@contextlib.contextmanager
+def _refuse_data_assignment() -> Iterator[None]:
+    """``t.data = value`` on a traced value: torch.fx records no node for it (the
+    attribute lands on the Proxy), so the write was dropped silently.  Fails the fx
+    attempt instead."""
+    def setattr_(proxy: torch.fx.Proxy, name: str, value: Any) -> None:
+        if name == "data":
+            raise NotImplementedError(
+                f"the forward assigns {proxy}.data, which torch.fx cannot record; write "
+                "in place instead (t.copy_(value) under torch.no_grad())")
+        object.__setattr__(proxy, name, value)
+
+    torch.fx.Proxy.__setattr__ = setattr_  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        del torch.fx.Proxy.__setattr__
 
 
 def _mark_torch_level_buffer_writes(graph: torch.fx.Graph, buffers: set[str]) -> None:
