@@ -5,6 +5,7 @@ three front ends (``forward_backward``, ``pipe(x)`` + ``backward()``, the
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -255,3 +256,47 @@ def test_a_parameter_written_or_data_assigned_on_the_fx_fallback_is_refused(what
     written = {"head.weight"} if what == "parameter" else set()
     for n, t in model.state_dict().items():
         assert n in written or torch.equal(t, before[n]), n
+
+
+# --- Python state the forward writes ---------------------------------------------------------
+
+class _PythonState(_Stack):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.calls = 0
+        self.layers[0].flip = False
+        self.ready = None
+
+    def forward(self, x):
+        if self.ready is None:  # a lazy initialisation: the program holds its branch
+            self.ready = True
+        if self.how == "counter":
+            self.calls += 1  # read, then written: differs at every call
+            return super().forward(x) * self.calls
+        self.layers[0].flip = not self.layers[0].flip
+        return super().forward(x) * (2.0 if self.layers[0].flip else 1.0)
+
+
+@pytest.mark.parametrize("front", ["forward_backward", "call"])
+@pytest.mark.parametrize("how", ["counter", "toggle"])
+def test_a_forward_that_updates_python_state_is_refused(how, front):
+    """``self.calls += 1`` in forward: export runs the Python once and puts the attribute
+    back, so the counter stayed 0 on the model and the program kept the traced 1 (loss
+    0.13 off at the second call, silently).  Refused before anything runs."""
+    torch.manual_seed(0)
+    model = _PythonState(how)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    name = "calls (0 -> 1)" if how == "counter" else "layers.0.flip (False -> True)"
+    with pytest.raises(ModelError, match=f"sets the Python attribute {re.escape(name)}"):
+        if front == "call":
+            pipe(x)
+        else:
+            pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    assert model.calls == 0 and model.layers[0].flip is False
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, before[n]), n
+    pipe.close()

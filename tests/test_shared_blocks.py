@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from roundpipe.compiler import analyze
-from roundpipe.errors import ConfigError
+from roundpipe.errors import ConfigError, ModelError
 from roundpipe.passes.cost import _EXTRA_FLOP_FORMULAS
 from roundpipe.passes.layers import assign_layers, find_unit_roots
 from roundpipe.passes.trace import MODULE_PATH, MUTATES, trace
@@ -602,7 +602,6 @@ ADVERSARIAL = {
                                                     _set_temperature),
     "one block under no_grad": lambda: Stack([Small() for _ in range(4)], _middle_no_grad),
     "lazy cache attribute": lambda: Stack([Caching() for _ in range(4)]),
-    "call counter attribute": lambda: Stack([Counting() for _ in range(4)]),
     "tensor read from a context": lambda: _context_stack(),
     "returns its own parameter": lambda: Stack([ReturnsGate() for _ in range(4)],
                                                _apply_gates),
@@ -634,6 +633,17 @@ def test_blocks_that_differ_in_ways_attributes_hide_are_not_copied_wrongly(name)
         assert vars(ours).keys() == vars(theirs).keys()
         assert {k: v for k, v in vars(ours).items() if isinstance(v, (int, float))} == \
             {k: v for k, v in vars(theirs).items() if isinstance(v, (int, float))}
+
+
+@pytest.mark.parametrize("share_blocks", [True, False])
+def test_a_python_call_counter_is_refused_shared_or_not(share_blocks):
+    """(An adversarial case for copied blocks until 2026-11-26; a forward that sets a
+    plain attribute is now refused, since no program would make the write.)"""
+    model = Stack([Counting() for _ in range(4)]).double()
+    with pytest.raises(ModelError, match=r"sets the Python attribute h\.\d\.calls \(0 -> 1"):
+        trace(model, (torch.randn(3, 8, dtype=torch.float64),),
+              leaf_modules=find_unit_roots(model), share_blocks=share_blocks)
+    assert all(b.calls == 0 for b in model.h)  # (export put them back)
 
 
 def test_a_constant_equal_to_the_example_size_is_not_the_size():

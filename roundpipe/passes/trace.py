@@ -157,8 +157,9 @@ def trace(
                            frozenset(model._forward_hooks))
         try:
             with _watch_buffer_reassignment(model) as reassigned, \
-                    watch_forward_hooks(model) as hooks_watch, \
-                    _watch_attribute_reads(model) as read:
+                    _watch_attribute_reads(model) as reads, \
+                    _watch_plain_writes(model, reads) as plain_writes, \
+                    watch_forward_hooks(model) as hooks_watch:
                 traced = _trace(model, example_args, example_kwargs,
                                 leaf_modules=leaf_modules, opaque_modules=opaque_modules,
                                 dynamic=dynamic, share_blocks=share_blocks)
@@ -166,7 +167,7 @@ def trace(
             del _ROOT_HOOKS.ids
         traced = dataclasses.replace(traced, attribute_reads=tuple(
             (path, name) for path, m in model.named_modules() for cls, name in sorted(
-                read, key=lambda r: (r[0].__qualname__, r[1])) if type(m) is cls))
+                reads.classes, key=lambda r: (r[0].__qualname__, r[1])) if type(m) is cls))
         if hooks_watch.found:
             hooks = "; ".join(k.describe() for k in hooks_watch.found)
             raise ModelError(
@@ -176,6 +177,22 @@ def trace(
                 "never see a real call (eager stores each call's value). Return what you "
                 "need from forward (and read it in loss_fn), or remove the hook while "
                 "training with roundpipe")
+        # (None or a missing attribute first is a lazy initialisation, whose branch the
+        # program holds at every call: only a value of one type that changes is refused)
+        changed = {name: (old, new) for name, (old, new) in plain_writes.items()
+                   if type(old) is type(new) and old is not None
+                   and not _same_plain(old, new)}
+        if changed:
+            name, (old, new) = sorted(changed.items())[0]
+            raise ModelError(
+                f"{type(model).__name__}'s forward sets the Python attribute {name} "
+                f"({old!r} -> {new!r}"
+                + (f"; and {len(changed) - 1} more" if len(changed) > 1 else "")
+                + "): roundpipe runs the forward's Python once, while tracing, so it would "
+                "not change at every call as in eager PyTorch, and code reading it would "
+                "keep the traced value. Keep such state in a buffer written in place "
+                "(self.register_buffer('calls', torch.zeros((), dtype=torch.long)), then "
+                "self.calls.add_(1)), or update it outside the forward")
         if reassigned:
             where = ", ".join(sorted(reassigned))
             raise ModelError(
@@ -193,16 +210,22 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _ROUNDPIPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+@dataclass
+class _Reads:
+    classes: set[tuple[type, str]]  # (module class, attribute)
+    instances: set[tuple[int, str]]  # (id of the module, attribute)
+
+
 @contextlib.contextmanager
-def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[set[tuple[type, str]]]:
-    """(class, attribute) of the plain Python values (``self.scale``, ``self.n_heads``)
-    the model's own code reads from its modules while tracing.  The traced program holds
-    them as constants, so a value changed after the call (``model.block.scale = 2.0``)
-    must make a new program (``RoundPipe`` compares them at every call); it used to keep
-    the old value silently.  ``training`` is keyed apart; reads by torch's and
-    roundpipe's own code do not count."""
+def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[_Reads]:
+    """The plain Python values (``self.scale``, ``self.n_heads``) the model's own code
+    reads from its modules while tracing.  The traced program holds them as constants,
+    so a value changed after the call (``model.block.scale = 2.0``) must make a new
+    program (``RoundPipe`` compares them at every call); it used to keep the old value
+    silently.  ``training`` is keyed apart; reads by torch's and roundpipe's own code do
+    not count."""
     modules = {id(m) for m in model.modules()}
-    found: set[tuple[type, str]] = set()
+    found = _Reads(set(), set())
     thread = threading.get_ident()
     getattribute = object.__getattribute__
 
@@ -212,7 +235,8 @@ def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[set[tuple[type, s
                 and id(self) in modules and threading.get_ident() == thread
                 and not sys._getframe(1).f_code.co_filename.startswith(
                     (_TORCH_DIR, _ROUNDPIPE_DIR))):
-            found.add((type(self), name))
+            found.classes.add((type(self), name))
+            found.instances.add((id(self), name))
         return value
 
     torch.nn.Module.__getattribute__ = watched  # type: ignore[method-assign]
@@ -253,6 +277,52 @@ def _watch_buffer_reassignment(model: torch.nn.Module) -> Iterator[set[str]]:
         yield found
     finally:
         torch.nn.Module.__setattr__ = original  # type: ignore[method-assign]
+
+
+_UNSET = object()
+
+
+@contextlib.contextmanager
+def _watch_plain_writes(model: torch.nn.Module, reads: _Reads
+                        ) -> Iterator[dict[str, tuple[Any, Any]]]:
+    """``path.name -> (value before, last value set)`` for the plain Python values
+    (numbers, strings, bools, None) the model's own code assigns to attributes of its
+    modules it read first while tracing (``self.calls += 1``, ``self.on = not self.on``;
+    ``_UNSET`` before: none).
+    Export puts them back afterwards and no tracer records them: a program would never
+    make that write, and the next call would read the old value.  (A write of a value
+    read from nowhere, ``block.temp = 2.0`` before each call, computes the same at
+    every call.)"""
+    paths = {id(m): p for p, m in model.named_modules()}
+    found: dict[str, tuple[Any, Any]] = {}
+    blind: set[str] = set()  # written before any read
+    thread = threading.get_ident()
+    original = torch.nn.Module.__setattr__
+
+    def setattr_(self: torch.nn.Module, name: str, value: Any) -> None:
+        before = self.__dict__.get(name, _UNSET)
+        if (type(value) in _PLAIN_VALUES and id(self) in paths and threading.get_ident() == thread
+                and name != "training"
+                and not sys._getframe(1).f_code.co_filename.startswith(
+                    (_TORCH_DIR, _ROUNDPIPE_DIR))):
+            path = paths[id(self)]
+            key = f"{path}.{name}" if path else name
+            if key not in found and (id(self), name) not in reads.instances:
+                blind.add(key)
+            found[key] = (found.get(key, (before, None))[0], value)
+        original(self, name, value)
+
+    torch.nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
+    try:
+        yield found
+    finally:
+        torch.nn.Module.__setattr__ = original  # type: ignore[method-assign]
+        for key in blind:
+            del found[key]
+
+
+def _same_plain(old: Any, new: Any) -> bool:
+    return type(old) is type(new) and (old == new or (old != old and new != new))
 
 
 def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
