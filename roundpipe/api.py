@@ -10,6 +10,7 @@ import inspect
 import logging
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
 
@@ -25,7 +26,8 @@ from .compiler import PlanOptions, analyze, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .dtype_diagnosis import diagnose_dtypes, dtype_mismatch
 from .errors import (CheckpointError, ConfigError, InputError, InputGradientError, ModelError,
-                     OffloadMismatchError, ParameterHookError, RoundPipeError, StepError,
+                     OffloadMismatchError, OptimizerError, ParameterHookError,
+                     RoundPipeError, StepError,
                      TraceError, UnknownConfigFieldError, unknown_options_message)
 from .merged_outputs import merge_plan, merged_outputs, output_columns, tail_values
 from .passes.cost import DeviceModel, with_measured_times
@@ -270,6 +272,10 @@ class RoundPipe:
         self.predict_weights = predict_weights
         self.async_after = async_after
         self._steps = 0  # steps taken (async_after counts them; saved in checkpoints)
+        # Masters that existed at the first pipe.step(opt), and the optimizers stepped
+        # since: a master made later (a parameter unfrozen) is in no optimizer built before.
+        self._first_masters: frozenset[str] | None = None
+        self._step_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._dp = DataParallel.create(data_parallel)
         if self._dp is not None:  # replicas start from rank 0's weights and dropout seed
             self.seed = self._dp.broadcast_initial_state(model, self.seed)
@@ -1248,6 +1254,8 @@ class RoundPipe:
 
         current.called(self)
         self._refuse_unresumed()
+        if optimizer is not None:
+            self._refuse_late_masters(optimizer)
         if (is_async and self.predict_weights and self._state.offload is not None
                 and self._state.has_masters and self._steps + 1 >= self.async_after):
             raise ConfigError(
@@ -1284,6 +1292,32 @@ class RoundPipe:
         if not is_async:
             for hook in self._sync_hooks:
                 hook()
+
+    def _refuse_late_masters(self, optimizer: torch.optim.Optimizer) -> None:
+        """A parameter made trainable after the first step (``requires_grad_(True)`` on a
+        frozen one) gets its master then, so no optimizer built before holds it: its
+        gradients would land and never be applied, where eager's optimizer over
+        ``model.parameters()`` steps it.  Refused before the step, unless an optimizer
+        stepped through this pipe holds it (``add_param_group``)."""
+        if not self._state.has_masters:
+            return
+        named = self._state.named_masters()
+        self._step_optimizers.add(optimizer)
+        if self._first_masters is None:
+            self._first_masters = frozenset(n for n, _ in named)
+            return
+        held = {id(p) for o in self._step_optimizers for g in o.param_groups
+                for p in g["params"]}
+        missing = [n for n, m in named if n not in self._first_masters and id(m) not in held]
+        if missing:
+            raise OptimizerError(
+                f"{missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+                                   else "")
+                + " became trainable after the first step, so its master (optim_dtype) was "
+                "made then and is in no optimizer: its gradients would never be applied "
+                "(eager's optimizer over model.parameters() would step it). Add it before "
+                "stepping: opt.add_param_group({'params': [dict(pipe.optim_named_"
+                f"parameters())[{missing[0]!r}]]}}). Nothing was stepped")
 
     def step_overlap(self, optimizer: torch.optim.Optimizer) -> str:
         """How an exact ``pipe.step(optimizer)`` runs: ``"per unit"`` (overlapped with

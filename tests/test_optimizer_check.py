@@ -261,3 +261,44 @@ def test_unrelated_optimizers_outside_pipe_step_are_not_refused() -> None:
         opt = torch.optim.SGD(other.parameters(), lr=0.1)
         opt.step()
         assert not torch.equal(other.weight, before)
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "roundpipe"])
+def test_a_parameter_unfrozen_after_the_first_step_is_refused_until_added(optimizer):
+    """Progressive unfreezing with masters: the unfrozen parameter got its master at that
+    point, so the optimizer built over pipe.optim_parameters() before did not hold it; its
+    gradients landed and were never applied (eager's optimizer over model.parameters()
+    steps it: 0.01 off after three Adam steps), silently.  Refused before the step; once
+    added with add_param_group, training equals eager's (float64)."""
+    pipe, model, x = _setup(optim_dtype=torch.float64, dtype=torch.float64, frozen=(0,))
+    eager = copy.deepcopy(model)
+    make = torch.optim.Adam if optimizer == "torch" else roundpipe.optim.AdamW
+    kw = {} if optimizer == "torch" else {"weight_decay": 0.0}
+    opt = make(pipe.optim_parameters(), lr=0.01, **kw)
+    ref = torch.optim.Adam(eager.parameters(), lr=0.01) if optimizer == "torch" else \
+        torch.optim.AdamW(eager.parameters(), lr=0.01, weight_decay=0.0)
+
+    def eager_call():
+        for a in x.chunk(2):
+            eager(a).pow(2).sum().backward()
+
+    _call(pipe, x)
+    pipe.step(opt)
+    eager_call()
+    ref.step()
+    ref.zero_grad()
+    for m in (model, eager):
+        m[0].requires_grad_(True)
+    _call(pipe, x)
+    with pytest.raises(OptimizerError, match=r"0\.weight and 1 more became trainable"):
+        pipe.step(opt)
+    named = dict(pipe.optim_named_parameters())
+    opt.add_param_group({"params": [named["0.weight"], named["0.bias"]]})
+    pipe.step(opt)  # the refused call's gradients are still there
+    eager_call()
+    ref.step()
+    ref.zero_grad()
+    pipe.synchronize()
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=n)
+    pipe.close()
