@@ -787,26 +787,34 @@ def _clear_dim_markers(tree: Any) -> None:
 def _packed_forward(model: torch.nn.Module) -> Iterator[None]:
     """Give ``model`` (this instance) a ``forward(inputs)`` taking ``(args, kwargs)``.
 
-    The user's forward pre-hooks and hooks on the model itself run inside it, on the
-    unpacked call, as eager's ``model(*args, **kwargs)`` runs them: left to ``__call__``,
-    they were handed the packed tuple, and a pre-hook's changed input (``(a[0] * 2,)``)
-    was dropped silently.  Their entries answer None meanwhile (same order, same keys for
-    the users' handles); roundpipe's own hooks there still see the packed call.  (Global
-    hooks do too.)"""
+    The user's forward pre-hooks and hooks on the model itself, and the global ones as
+    they apply to it, run inside it, on the unpacked call, as eager's
+    ``model(*args, **kwargs)`` runs them (global ones first): left to ``__call__``, they
+    were handed the packed tuple, and a pre-hook's changed input (``(a[0] * 2,)``) was
+    dropped silently.  Meanwhile the model's entries answer None, and the global ones
+    answer None for the model only (same order, same keys for the users' handles);
+    roundpipe's own hooks on the model still see the packed call."""
     inner = model.forward
     pre_ids, post_ids = getattr(_ROOT_HOOKS, "ids", (frozenset(), frozenset()))
+    g = torch.nn.modules.module
+    gpre, gpost = g._global_forward_pre_hooks, g._global_forward_hooks
+    gpost_kwargs = g._global_forward_hooks_with_kwargs
     pre, post = model._forward_pre_hooks, model._forward_hooks
     pre_kwargs = model._forward_pre_hooks_with_kwargs
     post_kwargs = model._forward_hooks_with_kwargs
     moved = [(table, key, table[key]) for table, ids in ((pre, pre_ids), (post, post_ids))
              for key in list(table) if key in ids]
-    pre_hooks = [(key, fn) for table, key, fn in moved if table is pre]
-    post_hooks = [(key, fn) for table, key, fn in moved if table is post]
+    shared = [(table, key, table[key]) for table in (gpre, gpost) for key in list(table)]
+    pre_hooks = [(key, fn, False) for table, key, fn in shared if table is gpre] + [
+        (key, fn, key in pre_kwargs) for table, key, fn in moved if table is pre]
+    post_hooks = [(key, fn, key in gpost_kwargs) for table, key, fn in shared
+                  if table is gpost] + [
+        (key, fn, key in post_kwargs) for table, key, fn in moved if table is post]
 
     def forward(inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
         args, kwargs = inputs
-        for key, hook in pre_hooks:
-            if key in pre_kwargs:
+        for _, hook, with_kwargs in pre_hooks:
+            if with_kwargs:
                 result = hook(model, args, kwargs)
                 if result is not None:
                     args, kwargs = result
@@ -815,20 +823,26 @@ def _packed_forward(model: torch.nn.Module) -> Iterator[None]:
                 if result is not None:
                     args = result if isinstance(result, tuple) else (result,)
         out = inner(*args, **kwargs)
-        for key, hook in post_hooks:
-            result = (hook(model, args, kwargs, out) if key in post_kwargs
-                      else hook(model, args, out))
+        for _, hook, with_kwargs in post_hooks:
+            result = hook(model, args, kwargs, out) if with_kwargs else hook(model, args, out)
             if result is not None:
                 out = result
         return out
 
+    def not_for_the_model(hook: Callable[..., Any]) -> Callable[..., Any]:
+        def skip(module: torch.nn.Module, *rest: Any) -> Any:
+            return None if module is model else hook(module, *rest)
+        return skip
+
     for table, key, _ in moved:
         table[key] = _no_hook
+    for table, key, fn in shared:
+        table[key] = not_for_the_model(fn)
     try:
         with replaced_forward(model, forward):
             yield
     finally:
-        for table, key, fn in moved:
+        for table, key, fn in moved + shared:
             if key in table:
                 table[key] = fn
 
