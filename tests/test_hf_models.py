@@ -286,11 +286,11 @@ def test_phimoe_matches_eager_and_is_device_count_invariant() -> None:
     Python: eager float64 has no grouped matmul on the CPU), and training-mode steps are
     bitwise equal on 1 and 3 devices (the sampling is keyed like dropout)."""
     overrides = {"_experts_implementation": "eager"}
-    for devices in (1, 3):
-        pipe, eager = _fresh("phimoe", devices, torch.float64, train=False, **overrides)
-        with pipe:
-            inputs, labels = hf.batch("phimoe")
-            _compare(pipe, eager, {**inputs, "labels": labels}, None, hf.inner_loss, 1e-10)
+    # (3 devices against eager; the device counts are compared bitwise below)
+    pipe, eager = _fresh("phimoe", 3, torch.float64, train=False, **overrides)
+    with pipe:
+        inputs, labels = hf.batch("phimoe")
+        _compare(pipe, eager, {**inputs, "labels": labels}, None, hf.inner_loss, 1e-10)
     pipe, eager = _fresh("phimoe", 3, torch.float32, train=False)  # grouped-matmul experts
     with pipe:
         _compare(pipe, eager, {**inputs, "labels": labels}, None, hf.inner_loss, 1e-5)

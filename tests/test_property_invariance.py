@@ -148,13 +148,18 @@ def _run(model: nn.Module, devices: int, x: torch.Tensor, y: torch.Tensor, grain
        grain=st.sampled_from(["stage", "layer"]), seed=st.integers(0, 2**16))
 def test_device_count_invariance_and_eager(parts: list[str], tied: bool, dropout: float,
                                            grain: str, seed: int) -> None:
+    _check(parts, tied, dropout, grain, seed, (2, 3, 4))
+
+
+def _check(parts: list[str], tied: bool, dropout: float, grain: str, seed: int,
+           device_counts: tuple[int, ...]) -> None:
     torch.manual_seed(seed)
     model = Drawn(parts, tied, dropout).double()
     x = torch.randn(BATCH, STEPS, WIDTH, dtype=torch.double)
     y = torch.randn(BATCH, STEPS, WIDTH, dtype=torch.double)
     leaf = "Leaf" in parts
     base = _run(model, 1, x, y, grain, leaf)
-    for devices in (2, 3, 4):
+    for devices in device_counts:
         loss, grads, buffers = _run(model, devices, x, y, grain, leaf)
         assert torch.equal(loss, base[0]), (devices, loss, base[0])
         assert grads.keys() == base[1].keys()
@@ -175,6 +180,7 @@ def test_device_count_invariance_and_eager(parts: list[str], tied: bool, dropout
 
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_each_part_alone(part: str) -> None:
-    """Every part once, deterministically, whatever hypothesis draws."""
-    test_device_count_invariance_and_eager.hypothesis.inner_test(  # type: ignore[attr-defined]
-        parts=[part, part, "Mlp"], tied=part == "Mlp", dropout=0.0, grain="stage", seed=1)
+    """Every part once, deterministically, whatever hypothesis draws (on 1 and 3 devices:
+    the drawn examples move the boundaries over 2, 3 and 4)."""
+    _check([part, part, "Mlp"], tied=part == "Mlp", dropout=0.0, grain="stage", seed=1,
+           device_counts=(3,))
