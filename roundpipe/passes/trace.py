@@ -44,6 +44,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.export import Dim, ShapesCollection
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from ..errors import ModelError, TraceError
 from ..plan import InputSignature, OutputRef, StateSpec
@@ -354,6 +356,11 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
     tries.append(("fx", lambda: _trace_fx(model, example_args, example_kwargs,
                                           frozenset(leaf_modules))))
     for method, attempt in tries:
+        if method == "export-static" and attempts and fails_alike(attempts[-1][1]):
+            # (the failure was not about dynamic shapes: a static export fails the same)
+            log.info("roundpipe: export-static not tried for %s: %s", type(model).__name__,
+                     _first_line(attempts[-1][1]))
+            continue
         if method == "fx" and attempts:
             # torch.fx records no shapes: it would trace a model that cannot run this
             # example, and the first call would fail inside a stage.  Tell "the model
@@ -537,6 +544,8 @@ def _trace_export_sharing(model: torch.nn.Module, args: tuple[Any, ...],
             log.info("roundpipe: tracing again with every block's state visible: %s", e)
             visible = True
         except Exception as e:  # noqa: BLE001
+            if fails_alike(e):  # the model's own failure: without sharing it fails the same
+                raise
             log.info("roundpipe: tracing again with every block traced: %s", _first_line(e))
         if visible:
             try:
@@ -909,6 +918,22 @@ def _no_stack_traces() -> Iterator[None]:
         yield
     finally:
         config.do_not_emit_stack_traces = previous
+
+
+def fails_alike(error: BaseException) -> bool:
+    """Whether an export failure comes from the model's own code whatever the export's
+    options (dynamic dimensions, shared blocks), so that exporting again without them
+    would fail the same way: a user autograd.Function with a backward of its own, or a
+    guard on a data-dependent value (``.item()``, ``nonzero``) whose expression holds only
+    unbacked symbols (none of the input dimensions a static export would fix)."""
+    for e in _exception_chain(error):
+        if isinstance(e, CustomBackwardFunction):
+            return True
+        if isinstance(e, GuardOnDataDependentSymNode):
+            symbols = getattr(getattr(e, "cond", None), "free_symbols", None)
+            return bool(symbols) and all(
+                symbol_is_type(s, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)) for s in symbols)
+    return False
 
 
 def _exception_chain(error: BaseException | None) -> list[BaseException]:
