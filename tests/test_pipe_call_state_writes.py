@@ -204,21 +204,24 @@ def _compare(model: nn.Module, eager: nn.Module, *, grads: bool) -> None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def _equal_eager(model: nn.Module, devices: int, num_mb: int, *, calls: int = 2,
-                 grads: bool = True, batch: int = 7, grain: str = "stage",
-                 **options) -> list[torch.Tensor]:
+def _equal_eager(model: nn.Module, devices: int, num_mb: int | tuple[int, ...], *,
+                 calls: int = 2, grads: bool = True, batch: int = 7,
+                 grain: str | tuple[str, ...] = "stage", **options) -> list[torch.Tensor]:
     """``calls`` calls of ``pipe(x)`` (with a backward each) against eager on the whole
-    batch: outputs, gradients and every buffer after each call.  Returns the outputs."""
+    batch: outputs, gradients and every buffer after each call.  Returns the outputs.
+    ``num_mb`` and ``grain`` may name one value per call (run options: one pipe, one
+    trace, covers several)."""
     torch.manual_seed(1)
     eager = copy.deepcopy(model)
     x = torch.randn(batch, WIDTH, dtype=torch.double)
+    mbs = num_mb if isinstance(num_mb, tuple) else (num_mb,) * calls
+    grains = grain if isinstance(grain, tuple) else (grain,) * calls
+    assert len(mbs) == len(grains) == calls
     outs = []
-    with RoundPipe(model, devices=["cpu"] * devices,
-                   model_run_config=RoundPipeRunConfig(num_microbatch=num_mb,
-                                                       recompute_grain=grain),
-                   **options) as pipe:
-        for _ in range(calls):
-            out, ref = pipe(x), eager(x)
+    with RoundPipe(model, devices=["cpu"] * devices, **options) as pipe:
+        for call in range(calls):
+            cfg = RoundPipeRunConfig(num_microbatch=mbs[call], recompute_grain=grains[call])
+            out, ref = pipe(x, run_config=cfg), eager(x)
             torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
             if grads:
                 out.pow(2).sum().backward()
@@ -266,23 +269,23 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-@pytest.mark.parametrize("num_mb", [2, 3])
 @pytest.mark.parametrize("devices", [1, 3])
 @pytest.mark.parametrize("name", sorted(BLOCKS))
-def test_batch_independent_writes_equal_eager(name: str, devices: int, num_mb: int) -> None:
+def test_batch_independent_writes_equal_eager(name: str, devices: int) -> None:
+    """2 then 3 microbatches (uneven: 4+3, 3+2+2 rows) on one pipe."""
     torch.manual_seed(0)
-    _equal_eager(Net(BLOCKS[name]).double(), devices, num_mb)
+    _equal_eager(Net(BLOCKS[name]).double(), devices, (2, 3))
 
 
-@pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("name", ["spectral_norm", "parametrizations.spectral_norm"])
-def test_spectral_norm_is_the_same_on_one_and_three_devices(name: str, grain: str) -> None:
-    """(Both recompute grains: the backward's recompute starts every microbatch from the
-    call's first value too.)"""
+def test_spectral_norm_is_the_same_on_one_and_three_devices(name: str) -> None:
+    """(Both recompute grains, a call each: the backward's recompute starts every
+    microbatch from the call's first value too.)"""
     torch.manual_seed(0)
     model = Net(BLOCKS[name]).double()
-    one = _equal_eager(copy.deepcopy(model), 1, 3, grain=grain)
-    three = _equal_eager(model, 3, 3, grain=grain)
+    grains = ("stage", "layer", "stage")
+    one = _equal_eager(copy.deepcopy(model), 1, 3, calls=3, grain=grains)
+    three = _equal_eager(model, 3, 3, calls=3, grain=grains)
     assert all(torch.equal(a, b) for a, b in zip(one, three))
 
 
