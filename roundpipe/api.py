@@ -284,6 +284,9 @@ class RoundPipe:
             if not isinstance(offload_dir, (str, os.PathLike)):
                 raise ConfigError(f"offload_dir must be a directory path, got "
                                   f"{offload_dir!r}")
+            if optim_dtype is None and offload_resume == "auto" and not os.path.exists(
+                    os.path.join(offload_dir, offload.MANIFEST)):
+                offload_resume = False  # nothing to resume: "auto" starts afresh
             if optim_dtype is None and offload_resume:
                 raise ConfigError(
                     "offload_resume continues a run from offload_dir, but without "

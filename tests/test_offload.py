@@ -739,6 +739,32 @@ def _sr_train(model, args, kwargs, devices, name, offload_dir=None, steps=STEPS,
     return pipe, opt
 
 
+def test_stochastic_rounding_with_offload_resume_auto_starts_afresh(tmp_path):
+    """Without masters the files cannot resume a run (the weights were in memory), so
+    offload_resume=True is refused; "auto" on a directory without committed state starts
+    afresh as "auto" says (it was refused as if it were True), and is refused once the
+    directory holds a run's state."""
+    model, args, kwargs = _model()
+    path = tmp_path / "t"
+    with pytest.raises(ConfigError, match="offload_resume continues a run"):
+        RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=None,
+                  offload_dir=path, offload_resume=True)
+    pipe = RoundPipe(copy.deepcopy(model), devices=["cpu"] * 2, optim_dtype=None,
+                     offload_dir=path, offload_resume="auto",
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    try:
+        opt = _sr_opt(pipe, "AdamW")
+        pipe.forward_backward(input_args=args, input_kwargs=kwargs, loss_fn=_loss)
+        pipe.step(lambda: (opt.step(), opt.zero_grad()))
+        pipe.synchronize()
+        assert read_committed(path)[0] == 1
+    finally:
+        pipe.close()
+    with pytest.raises(ConfigError, match="offload_resume continues a run"):
+        RoundPipe(copy.deepcopy(model), devices=["cpu"], optim_dtype=None,
+                  offload_dir=path, offload_resume="auto")
+
+
 @pytest.mark.parametrize("name, devices", [("AdamW", 1), ("AdamW", 3), ("SGD", 3)])
 def test_stochastic_rounding_keeps_its_moments_in_the_tier_bitwise(tmp_path, name,
                                                                     devices):
