@@ -1111,7 +1111,8 @@ class RoundPipe:
 
         def run_backward(output_grads: list[dict[str, torch.Tensor]],
                          request: GradRequest) -> RunResult:
-            assert stash[0] is not None  # PipelinedFunction runs one backward per call
+            if stash[0] is None:  # (PipelinedFunction refuses a second backward before this)
+                raise RoundPipeError("internal: a pipelined call's backward ran twice")
             self._check_open()
             with self._lock, self._replica_call() as dp_call:
                 # eager's reference is one backward of the whole batch: hooks run once

@@ -622,7 +622,8 @@ class _Call(PipelinedCall):
             for k, i in enumerate(tensors):
                 if targets[k] is not GradTarget.NONE:
                     only.add(graph.slot_at[i] or graph.value_at[i] or "")
-        assert self.stash is not None  # PipelinedFunction runs one backward per call
+        if self.stash is None:  # (PipelinedFunction refuses a second backward before this)
+            raise RoundPipeError("internal: a pipelined call's backward ran twice")
         for what, t, version in self.versions:
             if t._version != version:
                 raise InputError(

@@ -238,7 +238,7 @@ def test_integrations_reach_no_private_name():
     never ``pipe._optimizer`` and the like, whose contract may change under them."""
     files = _integration_files()
     if not (REPO / "bench").is_dir():
-        pytest.skip("bench/ and examples/ are not installed with the package (a checkout)")
+        pytest.skip(reason="bench/ and examples/ are not installed with the package (a checkout)")
     assert any(p.parent.name == "bench" for p in files)
     offenders = {}
     for path in files:

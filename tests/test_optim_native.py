@@ -211,7 +211,7 @@ def test_a_build_lands_whole_in_the_cache(monkeypatch, tmp_path):
     """The library is built into the cache directory under a name that covers the source,
     the flags and the CPU, and loaded from there the next time."""
     if native.library() is None:
-        pytest.skip(f"no C compiler: {native.unavailable_reason()}")
+        pytest.skip(reason=f"no C compiler: {native.unavailable_reason()}")
     monkeypatch.setenv("ROUNDPIPE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
     native._build()
@@ -316,7 +316,7 @@ def test_an_interrupted_build_is_tried_again(monkeypatch):
 def _compiler():
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc or native.library() is None:
-        pytest.skip(f"no C compiler: {native.unavailable_reason()}")
+        pytest.skip(reason=f"no C compiler: {native.unavailable_reason()}")
     return cc
 
 
