@@ -380,3 +380,43 @@ def test_a_tensor_of_loss_fn_own_still_gets_its_gradient_from_autograd() -> None
             torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("read", ["unit", "loss_only"])
+def test_loss_fn_part_crosses_jobs_through_the_host(read, monkeypatch) -> None:
+    """loss_fn's part of a parameter's gradient leaves the fused job as every gradient
+    crossing jobs does: downloaded there and uploaded by the job that joins it (or kept
+    on the host for the commit), never a device tensor of the fused job uploaded by
+    another job's loader. On a GPU such an upload copies on the loader's stream, which
+    does not wait for the compute stream still writing the gradient (and the caching
+    allocator may reuse its block): a silently wrong gradient. On the virtual CPU
+    devices the ledgers of measure_memory tell a device's tensors apart. Before, the
+    first block's weight (read last by the first stage, a backward job on another
+    device) was uploaded from the fused device's own tensor."""
+    from roundpipe.runtime.devices import VirtualCPUDevice
+    model, x, y = make()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    pipe = RoundPipe(model, devices=["cpu"] * 3, measure_memory=True,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    ledgers = [d.memory for d in pipe.devices]
+    from_devices: list[tuple[int, ...]] = []
+    copy_in = VirtualCPUDevice._copy_in
+
+    def checked(self, tensor, category, stream):
+        key = tensor.untyped_storage()._cdata
+        if any(key in ledger._storages for ledger in ledgers):
+            from_devices.append(tuple(tensor.shape))
+        return copy_in(self, tensor, category, stream)
+    monkeypatch.setattr(VirtualCPUDevice, "_copy_in", checked)
+    try:
+        loss_fn = loss_for(model, read)
+        for _ in range(2):
+            pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+            eager(ref, x, y, read)
+        assert pipe.plan.fused_stage.units[0] > 0  # the first block is in another job
+        assert from_devices == []
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    finally:
+        pipe.close()

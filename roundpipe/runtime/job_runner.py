@@ -460,7 +460,8 @@ class JobRunner:
                                    "the plan is inconsistent")
             with torch.enable_grad():
                 tensors.append(leaf.view_as(leaf))
-            grads.append(self._upload(mb, part, "grads"))
+            # made by this job's loss tail on this device, or downloaded by it (_hold_loss_grads)
+            grads.append(part if self.job.kind == "fused" else self._upload(mb, part, "grads"))
 
     def _download_microbatch_grads(self, unit: UnitProgram, mb: int) -> None:
         """The gradients whose hooks need each microbatch's (HookPlan.per_microbatch) go
@@ -596,14 +597,7 @@ class JobRunner:
                 labels = [(i, g) for (i, _), g in zip(label_leaves, got)]
                 got = got[len(label_leaves):]
                 held = list(zip([s for s, _ in aliases] + list(read), got))
-            with call.lock:
-                for slot, g in held:
-                    if g is None:
-                        continue
-                    if slot in call.loss_joins:
-                        call.loss_grads[(mb, slot)] = g
-                    else:
-                        call.loss_only.setdefault(slot, []).append((mb, g))
+            self._hold_loss_grads(mb, held)
             if call.label_grads is not None:
                 call.label_grads[mb].update(
                     (i, self.device.download(g, "grads")) for i, g in labels if g is not None)
@@ -615,6 +609,26 @@ class JobRunner:
         call.losses[mb] = self.device.download(loss.detach(), "losses")
         self._publish(mb, values)
         self._time_range(self.call.unit_bwd_s, t)
+
+    def _hold_loss_grads(self, mb: int, held: list[tuple[str, torch.Tensor | None]]) -> None:
+        """Keep loss_fn's part of each parameter's microbatch gradient for the unit that
+        joins it, or for the commit.  What leaves this job goes through the host, as
+        every gradient crossing jobs does (the joining job uploads it once this
+        microbatch's downloads have landed): another job's loader copying this device's
+        tensor would not wait for the compute stream still writing it."""
+        joins = self.call.loss_joins
+        kept: list[tuple[str, torch.Tensor]] = []
+        for slot, g in held:
+            if g is None:
+                continue
+            here = slot in joins and self.job.start <= joins[slot] < self.job.stop
+            kept.append((slot, g if here else self.device.download(g, "grads")))
+        with self.call.lock:
+            for slot, g in kept:
+                if slot in joins:
+                    self.call.loss_grads[(mb, slot)] = g
+                else:
+                    self.call.loss_only.setdefault(slot, []).append((mb, g))
 
     def _label(self, mb: int) -> tuple[Any, list[tuple[int, torch.Tensor]]]:
         """Microbatch ``mb``'s label on the device, and (flat index, leaf) of its leaves
