@@ -278,6 +278,9 @@ class _GraphHost:
     def grad_dtype(self, slot: str) -> torch.dtype:
         return self.tensors[slot].dtype  # returned to autograd, which wants the input's
 
+    def master_of(self, slot: str) -> torch.Tensor | None:
+        return None  # the parameters are what autograd accumulates into
+
     def has_no_grad(self, slot: str) -> bool:
         return self.tensors[slot].grad is None
 

@@ -420,3 +420,42 @@ def test_loss_fn_part_crosses_jobs_through_the_host(read, monkeypatch) -> None:
             torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("fail", [None, "loss_fn", "backward"])
+def test_loss_fn_reading_the_masters_is_held_like_the_parameters(fail) -> None:
+    """A loss_fn that reads the masters (``pipe.optim_named_parameters()``, the tensors
+    the optimizer steps) instead of the model's parameters: their part is the
+    parameter's (joined into its unit's gradient, or held for the commit), so a failed
+    call leaves the masters' ``.grad`` as it was and a successful one equals eager's
+    loop reading the parameters (float64 masters: the same values). Before, autograd
+    wrote that part straight into the masters' ``.grad`` during the call: 2.04 left on
+    temp's master after a call failing in microbatch 1 (and under data parallelism each
+    replica would keep its own part, unreduced)."""
+    model, x, y = make()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    pipe = RoundPipe(model, devices=["cpu"] * 3, optim_dtype=torch.float64,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    try:
+        masters = dict(pipe.optim_named_parameters())
+
+        def loss_fn(out, t):
+            return (((out / masters["temp"] - t) ** 2).sum()
+                    + 1e-2 * masters["blocks.0.weight"].pow(2).sum())
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        eager(ref, x, y, "unit")
+        pipe.synchronize()
+        if fail is not None:
+            before = snapshot(pipe)
+            with Fail(pipe, fail) as f:
+                with pytest.raises(f.error):
+                    pipe.forward_backward(input_args=(y,), label=x, loss_fn=f.loss_fn(loss_fn))
+            assert_same(snapshot(pipe), before)
+        pipe.forward_backward(input_args=(y,), label=x, loss_fn=loss_fn)
+        eager(ref, y, x, "unit")
+        pipe.synchronize()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(masters[name].grad, p.grad, **TOL, msg=name)
+    finally:
+        pipe.close()

@@ -302,3 +302,29 @@ def test_unseen_read_is_refused_with_nothing_changed(masters, read):
     # the next call works and adds as before
     pipe.forward_backward((x,), label=y, loss_fn=plain)
     pipe.close()
+
+
+def test_a_master_read_by_loss_fn_joins_before_the_hooks():
+    """loss_fn reading the master of a hooked parameter a unit reads (float64 masters:
+    the parameter's values) counts as reading the parameter: its part joins the unit's
+    gradient before the tensor hook runs once on the total, as eager's loop reading the
+    parameter (not refused as a read the mode cannot see)."""
+    model, x, y = make()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.blocks[1].weight.register_hook(nonlinear)
+    eager(ref, x, y, "model_and_loss")
+    pipe = RoundPipe(model, devices=["cpu"] * 3, optim_dtype=torch.float64,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    try:
+        masters = dict(pipe.optim_named_parameters())
+
+        def loss_fn(out, t):
+            return (((out * masters["temp"] - t) ** 2).sum()
+                    + 1e-2 * masters["blocks.1.weight"].pow(2).sum())
+        for _ in range(2):
+            pipe.forward_backward((x,), label=y, loss_fn=loss_fn)
+        pipe.synchronize()
+        assert_close(grads(pipe.optim_named_parameters()), grads(ref.named_parameters()))
+    finally:
+        pipe.close()

@@ -89,9 +89,10 @@ class CallState:
     hooks: HookPlan = NO_HOOKS  # where the parameters' autograd hooks run
     mb_grads: dict[str, list[tuple[int, int, torch.Tensor]]] = field(default_factory=dict)
     # loss_fn's reads of the model's trainable parameters (forward_backward): id of the
-    # parameter -> its slot, and slot -> the last unit reading it (its backward runs
-    # first), which joins loss_fn's part of the microbatch gradient into its own
-    loss_params: Mapping[int, str] = field(default_factory=dict)
+    # parameter (or of its master) -> (its slot, the tensor), and slot -> the last unit
+    # reading it (its backward runs first), which joins loss_fn's part of the
+    # microbatch gradient into its own
+    loss_params: Mapping[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
     loss_joins: Mapping[str, int] = field(default_factory=dict)
     # (microbatch, slot) -> loss_fn's part of a parameter's gradient a unit reads, held
     # until that unit joins it (never on the parameter's .grad: a failed call drops it)

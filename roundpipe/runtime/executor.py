@@ -243,7 +243,10 @@ class Executor:
         call.hooks = hooks
         # read as the call starts (requires_grad may change between calls)
         trainable = [s for s in self.host.specs if self.host.trainable(s)]
-        call.loss_params = {id(self.host.tensors[s]): s for s in trainable}
+        # (a master read in loss_fn, pipe.optim_parameters(), counts as its parameter)
+        tensors = [(s, t) for s in trainable
+                   for t in (self.host.tensors[s], self.host.master_of(s)) if t is not None]
+        call.loss_params = {id(t): (s, t) for s, t in tensors}
         call.loss_joins = {s: self.last_reader[s] for s in trainable if s in self.last_reader}
         return self._run(self._jobs(call, stash_for_backward=False), call)
 

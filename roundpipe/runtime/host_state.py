@@ -921,6 +921,10 @@ class HostView(Protocol):
     def grad_dtype(self, slot: str) -> torch.dtype:
         """The dtype a slot's gradient is committed in."""
 
+    def master_of(self, slot: str) -> torch.Tensor | None:
+        """The master a parameter slot's gradient lands on, where it is another tensor
+        than the parameter and exists already (None otherwise)."""
+
     def has_no_grad(self, slot: str) -> bool:
         """Whether nothing holds a gradient of the slot yet (a converted gradient may
         then be handed over instead of added)."""
@@ -964,6 +968,11 @@ class HostState:
 
     def grad_dtype(self, slot: str) -> torch.dtype:
         return self.shared.master(self.specs[slot].fqn).dtype  # gradients land on masters
+
+    def master_of(self, slot: str) -> torch.Tensor | None:
+        if not self.shared.has_masters or self.specs[slot].kind != "parameter":
+            return None
+        return self.shared.masters().get(self.specs[slot].fqn)
 
     def has_no_grad(self, slot: str) -> bool:
         name = self.specs[slot].fqn

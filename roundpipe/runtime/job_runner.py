@@ -554,19 +554,21 @@ class JobRunner:
             loss = call.loss_fn(output, label)  # type: ignore[misc]
         _check_loss(loss, mb)
         aliases = list(reads.aliases.items()) if joins else []
-        read: dict[str, torch.Tensor] = {}   # slot -> a parameter loss_fn's graph reaches
+        # (slot, a parameter or its master) loss_fn's graph reaches
+        read: list[tuple[str, torch.Tensor]] = []
         others: list[torch.Tensor] = []      # leaves that are not the pipe's (autograd's)
         if loss.requires_grad and call.loss_params:
             ours = {id(leaf) for _, leaf in (*out_leaves, *label_leaves, *aliases)}
             for leaf in param_hooks.loss_leaves(loss):
-                slot = call.loss_params.get(id(leaf))
-                if slot is not None and self.ex.host.tensors[slot] is leaf:
-                    read[slot] = leaf
+                slot, tensor = call.loss_params.get(id(leaf), (None, None))
+                if tensor is leaf:
+                    read.append((slot, leaf))  # type: ignore[arg-type]
                 elif id(leaf) not in ours:
                     others.append(leaf)
-            if joins:  # before loss_fn's backward runs any hook
+            if joins:  # before loss_fn's backward runs any hook (a master has none)
                 param_hooks.refuse_hooked_loss_reads(
-                    read, {s: self.ex.host.specs[s].fqn for s in joins})
+                    {s: leaf for s, leaf in read if leaf is self.ex.host.tensors[s]},
+                    {s: self.ex.host.specs[s].fqn for s in joins})
         if mb == call.num_mb - 1 and call.on_losses is not None:
             self._losses_in(loss, mb)
         acc: dict[str, torch.Tensor] = {}
@@ -585,7 +587,7 @@ class JobRunner:
                 # (joined into the unit reading them, or committed at the end), never
                 # accumulated on .grad now, so a call that fails later changes nothing.
                 inputs = ([leaf for _, leaf in out_leaves] + [leaf for _, leaf in label_leaves]
-                          + [a for _, a in aliases] + list(read.values()))
+                          + [a for _, a in aliases] + [leaf for _, leaf in read])
                 got = list(torch.autograd.grad(loss, inputs, allow_unused=True,
                                                retain_graph=bool(others)))
                 if others:  # tensors of loss_fn's own (not the pipe's): as autograd does
@@ -596,7 +598,7 @@ class JobRunner:
                 got = got[len(out_leaves):]
                 labels = [(i, g) for (i, _), g in zip(label_leaves, got)]
                 got = got[len(label_leaves):]
-                held = list(zip([s for s, _ in aliases] + list(read), got))
+                held = list(zip([s for s, _ in aliases] + [s for s, _ in read], got))
             self._hold_loss_grads(mb, held)
             if call.label_grads is not None:
                 call.label_grads[mb].update(
@@ -617,10 +619,15 @@ class JobRunner:
         microbatch's downloads have landed): another job's loader copying this device's
         tensor would not wait for the compute stream still writing it."""
         joins = self.call.loss_joins
-        kept: list[tuple[str, torch.Tensor]] = []
+        parts: dict[str, torch.Tensor] = {}
         for slot, g in held:
             if g is None:
                 continue
+            # a master's part (in its dtype) goes the parameter's way, in its dtype
+            g = g.to(self.ex.host.tensors[slot].dtype)
+            parts[slot] = g if slot not in parts else parts[slot] + g
+        kept = []
+        for slot, g in parts.items():
             here = slot in joins and self.job.start <= joins[slot] < self.job.stop
             kept.append((slot, g if here else self.device.download(g, "grads")))
         with self.call.lock:
