@@ -68,6 +68,11 @@ def grad_roots(flat: Sequence[Mapping[str, Any]], labels: Sequence[Any],
                user: tuple[tuple[Any, ...], dict[str, Any], Any]) -> GradRoots:
     """The call's inputs and label leaves that require grad, per microbatch.
     ``user``: the call's ``(input_args, input_kwargs, label)``, to name them."""
+    inputs = [{n: v for n, v in mb.items() if _wants_grad(v)} for mb in flat]
+    label_leaves = [{i: v for i, v in enumerate(pytree.tree_flatten(mb)[0]) if _wants_grad(v)}
+                    for mb in labels]
+    if not any(inputs) and not any(label_leaves):  # the common call: nothing to name
+        return GradRoots(inputs, label_leaves)
     names: dict[int, str] = {}
     args, kwargs, label = user
     given = frozenset(id(t) for t in pytree.tree_leaves((args, kwargs, label))
@@ -78,9 +83,6 @@ def grad_roots(flat: Sequence[Mapping[str, Any]], labels: Sequence[Any],
     for path, leaf in pytree.tree_flatten_with_path(label)[0]:
         if isinstance(leaf, torch.Tensor):
             names.setdefault(id(leaf), "label" + pytree.keystr(path))
-    inputs = [{n: v for n, v in mb.items() if _wants_grad(v)} for mb in flat]
-    label_leaves = [{i: v for i, v in enumerate(pytree.tree_flatten(mb)[0]) if _wants_grad(v)}
-                    for mb in labels]
     # a microbatch's piece is named after the input it was split from
     for mb in inputs:
         for value, t in mb.items():
