@@ -459,3 +459,49 @@ def test_loss_fn_reading_the_masters_is_held_like_the_parameters(fail) -> None:
             torch.testing.assert_close(masters[name].grad, p.grad, **TOL, msg=name)
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("reads_directly", [False, True])
+def test_reentrant_checkpoint_in_loss_fn_is_refused_with_nothing_changed(reads_directly) -> None:
+    """A loss_fn that runs ``torch.utils.checkpoint(..., use_reentrant=True)`` over code
+    reading a model parameter (a chunked head over a tied weight): the checkpoint's
+    backward runs a backward of its own inside, which writes the parameter's part
+    straight into its ``.grad``, out of sight of the fused tail's walk (a later failure
+    keeps it; data parallelism does not reduce it), and it cannot run under
+    ``torch.autograd.grad`` at all (the path taken once loss_fn also reads a parameter
+    directly). Refused with LossError before that backward, nothing changed; with
+    ``use_reentrant=False`` the same loss_fn trains as eager. Before, the first case ran
+    with that part on ``.grad`` during the call and the second failed with torch's
+    RuntimeError about ``.grad()`` inside a StageError."""
+    from torch.utils.checkpoint import checkpoint
+    model, x, y = make()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+
+    def loss_with(m: Net, reentrant: bool):
+        def head(h, t):
+            return ((h @ m.blocks[0].weight.T - t) ** 2).sum()
+
+        def loss_fn(out, t):
+            loss = checkpoint(head, out, t, use_reentrant=reentrant)
+            if reads_directly:
+                loss = loss + m.temp ** 2
+            return loss
+        return loss_fn
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    try:
+        before = snapshot(pipe)
+        with pytest.raises(LossError, match="use_reentrant=False"):
+            pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_with(model, True))
+        assert_same(snapshot(pipe), before)
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_with(model, False))
+        inner = loss_with(ref, False)
+        for xs, ys in zip(x.chunk(MB), y.chunk(MB)):
+            inner(ref(xs), ys).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+    finally:
+        pipe.close()

@@ -52,8 +52,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointFunction
 
-from ..errors import ParameterHookError
+from ..errors import LossError, ParameterHookError
 from ..plan import ModelProgram
 from .host_state import HostState, fold_unit_grads
 from .masters import raw_grad, set_raw_grad
@@ -202,7 +203,12 @@ class LossReads(TorchFunctionMode):
 def loss_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     """The leaves ``loss``'s backward would accumulate into (its graph's AccumulateGrad
     nodes), found by walking the graph; in the fused tail that is ``loss_fn``'s own part
-    (the model's outputs are leaves there), a few nodes."""
+    (the model's outputs are leaves there), a few nodes.
+
+    Raises :class:`~roundpipe.errors.LossError` for a reentrant
+    ``torch.utils.checkpoint`` in that graph: its backward runs a backward of its own
+    that accumulates into whatever the checkpointed code read (the model's parameters
+    too) out of sight of this walk, and it cannot run under ``torch.autograd.grad``."""
     leaves: list[torch.Tensor] = []
     seen: set[Any] = set()
     stack = [loss.grad_fn] if loss.grad_fn is not None else []
@@ -214,6 +220,15 @@ def loss_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
         if node.name() == "torch::autograd::AccumulateGrad":  # a leaf's
             leaves.append(node.variable)
             continue
+        if getattr(node, "_forward_cls", None) is CheckpointFunction:
+            raise LossError(
+                "loss_fn runs torch.utils.checkpoint with use_reentrant=True: its backward "
+                "runs a backward of its own that writes the gradients of the parameters "
+                "the checkpointed code reads straight into their .grad, where roundpipe "
+                "cannot hold them for the call (a failing microbatch would leave them, "
+                "data parallelism would not all-reduce them), and it cannot run under "
+                "torch.autograd.grad. Nothing was committed. Pass use_reentrant=False "
+                "(the same gradients)")
         stack.extend(n for n, _ in node.next_functions)
     return leaves
 
