@@ -300,3 +300,35 @@ def test_a_forward_that_updates_python_state_is_refused(how, front):
     for n, t in model.state_dict().items():
         assert torch.equal(t, before[n]), n
     pipe.close()
+
+
+class _AuxOnSelf(_Stack):
+    """Keeps an auxiliary loss on the module (MoE load balancing, a VAE's KL term)."""
+
+    def __init__(self, initial) -> None:
+        super().__init__()
+        if initial is not None:
+            self.aux = initial
+
+    def forward(self, x):
+        h = self.layers[0](x)
+        self.aux = h.pow(2).mean()
+        for layer, act in zip(self.layers[1:], self.acts[1:]):
+            h = act(layer(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("initial", [None, "zeros"])
+def test_a_tensor_of_the_call_kept_on_the_module_is_refused(initial):
+    """``self.aux = h.pow(2).mean()`` in forward: export puts the attribute back (or
+    leaves tracing's fake tensor there), so a training loop adding ``model.aux`` to its
+    loss read 0.0 where eager read 0.156, silently.  Refused before anything runs."""
+    torch.manual_seed(0)
+    model = _AuxOnSelf(torch.zeros(()) if initial else None)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    with pytest.raises(ModelError, match="stores a tensor of the call's graph on the "
+                                         "attribute aux"):
+        pipe.forward_backward(input_args=(torch.randn(4, 4),), label=torch.randn(4, 2),
+                              loss_fn=F.mse_loss)
+    pipe.close()

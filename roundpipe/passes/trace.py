@@ -158,7 +158,7 @@ def trace(
         _ROOT_HOOKS.ids = (frozenset(model._forward_pre_hooks),
                            frozenset(model._forward_hooks))
         try:
-            with _watch_buffer_reassignment(model) as reassigned, \
+            with _watch_buffer_reassignment(model) as (reassigned, kept_tensors), \
                     _watch_attribute_reads(model) as reads, \
                     _watch_plain_writes(model, reads) as plain_writes, \
                     watch_forward_hooks(model) as hooks_watch:
@@ -185,6 +185,9 @@ def trace(
                    if type(old) is type(new) and old is not None
                    and not _same_plain(old, new)}
         if changed:
+            for key, (old, _) in changed.items():  # (fx and tracing's eager rehearsal set
+                owner, _, attr = key.rpartition(".")  # them for real: put back)
+                object.__setattr__(model.get_submodule(owner), attr, old)
             name, (old, new) = sorted(changed.items())[0]
             raise ModelError(
                 f"{type(model).__name__}'s forward sets the Python attribute {name} "
@@ -195,6 +198,16 @@ def trace(
                 "keep the traced value. Keep such state in a buffer written in place "
                 "(self.register_buffer('calls', torch.zeros((), dtype=torch.long)), then "
                 "self.calls.add_(1)), or update it outside the forward")
+        if kept_tensors:
+            name = sorted(kept_tensors)[0]
+            raise ModelError(
+                f"{type(model).__name__}'s forward stores a tensor of the call's graph on "
+                f"the attribute {name}"
+                + (f" (and {len(kept_tensors) - 1} more)" if len(kept_tensors) > 1 else "")
+                + ", which is not a buffer: the traced program never writes it, so it would "
+                "keep its value from before the call (an auxiliary loss read after the call "
+                "would be stale, and backward would not reach it). Return it from forward "
+                "and read it in loss_fn instead")
         if reassigned:
             where = ", ".join(sorted(reassigned))
             raise ModelError(
@@ -251,37 +264,58 @@ _ROOT_HOOKS = threading.local()
 
 
 @contextlib.contextmanager
-def _watch_buffer_reassignment(model: torch.nn.Module) -> Iterator[set[str]]:
+def _watch_buffer_reassignment(model: torch.nn.Module
+                               ) -> Iterator[tuple[set[str], set[str]]]:
     """Names (``path.buffer``) of registered buffers of ``model`` that the model's own code
     rebinds to another tensor (``self.ema = self.ema * 0.9 + x``) while tracing.  Neither
     export nor the fx fallback records such a write (only in-place ones), nor does an
     opaque module's call.  Only the tracing thread's assignments made outside torch's own
-    code count (export swaps state in and out with setattr)."""
+    code count (export swaps state in and out with setattr).  Second: plain attributes
+    (not buffers) given a traced tensor that requires grad, or a torch.fx Proxy
+    (``self.aux_loss = ...``), which no program writes back either."""
     paths = {id(m): p for p, m in model.named_modules()}
     found: set[str] = set()
+    kept: set[str] = set()  # plain attributes given a tensor of the call's graph
+    from torch._subclasses.fake_tensor import is_fake
     thread = threading.get_ident()
     original = torch.nn.Module.__setattr__
     torch_dir = os.path.dirname(torch.__file__) + os.sep
 
     def setattr_(self: torch.nn.Module, name: str, value: Any) -> None:
         buffers = self.__dict__.get("_buffers")
+        ours = (id(self) in paths and threading.get_ident() == thread
+                and not _setattr_caller().startswith(torch_dir))
+        path = paths.get(id(self), "")
         if (buffers is not None and name in buffers and buffers[name] is not None
                 and value is not buffers[name]
-                and isinstance(value, (torch.Tensor, torch.fx.Proxy))
-                and id(self) in paths and threading.get_ident() == thread
-                and not sys._getframe(1).f_code.co_filename.startswith(torch_dir)):
-            path = paths[id(self)]
+                and isinstance(value, (torch.Tensor, torch.fx.Proxy)) and ours):
             found.add(f"{path}.{name}" if path else name)
+        elif (buffers is not None and name not in buffers and ours
+              and name not in self.__dict__.get("_parameters", {})
+              and (isinstance(value, torch.fx.Proxy)
+                   or isinstance(value, torch.Tensor) and value.requires_grad
+                   and is_fake(value))):  # (an opaque module's real run: its own twin's)
+            kept.add(f"{path}.{name}" if path else name)
         original(self, name, value)
 
     torch.nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
     try:
-        yield found
+        yield found, kept
     finally:
         torch.nn.Module.__setattr__ = original  # type: ignore[method-assign]
 
 
 _UNSET = object()
+
+
+def _setattr_caller() -> str:
+    """The file of the code whose assignment a ``setattr_`` watch below sees, past the
+    other watches' ``setattr_`` frames (they patch ``nn.Module.__setattr__`` in turn)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name == "setattr_" \
+            and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame.f_code.co_filename if frame is not None else ""
 
 
 @contextlib.contextmanager
@@ -305,8 +339,7 @@ def _watch_plain_writes(model: torch.nn.Module, reads: _Reads
         before = self.__dict__.get(name, _UNSET)
         if (type(value) in _PLAIN_VALUES and id(self) in paths and threading.get_ident() == thread
                 and name != "training"
-                and not sys._getframe(1).f_code.co_filename.startswith(
-                    (_TORCH_DIR, _ROUNDPIPE_DIR))):
+                and not _setattr_caller().startswith((_TORCH_DIR, _ROUNDPIPE_DIR))):
             path = paths[id(self)]
             key = f"{path}.{name}" if path else name
             if key not in found and (id(self), name) not in reads.instances:
