@@ -61,6 +61,11 @@ log = logging.getLogger(__name__)
 
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() \
+        and a.storage_offset() == b.storage_offset() and a.shape == b.shape
+
+
 _MAX_PROGRAMS = 16  # programs a pipe keeps (shapes, modes, attribute values)
 _PLAIN = (bool, int, float, str, type(None))  # attribute values a program's key holds
 
@@ -1533,6 +1538,9 @@ class RoundPipe:
             read: dict[str, torch.Tensor] = {}  # with the disk tier: read once
             for name, param in self.model.named_parameters(remove_duplicate=False):
                 key = canonical[id(param)]
+                held = sd.get(name)
+                if not (isinstance(held, torch.Tensor) and _same_storage(held, param)):
+                    continue  # a state-dict hook renamed or replaced it: its value stands
                 if key in masters:
                     if key not in read:
                         read[key] = self._state.read_master(key)

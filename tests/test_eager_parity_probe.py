@@ -332,3 +332,27 @@ def test_a_tensor_of_the_call_kept_on_the_module_is_refused(initial):
         pipe.forward_backward(input_args=(torch.randn(4, 4),), label=torch.randn(4, 2),
                               loss_fn=F.mse_loss)
     pipe.close()
+
+
+def test_state_dict_hooks_hold_with_masters():
+    """pipe.state_dict() puts the masters' values in place of the model's parameters; it
+    also undid a state-dict hook's work (a value it replaced came back as the master's, a
+    key it renamed came back beside the new name), where model.state_dict() keeps it."""
+    def hook(module, sd, prefix, local_metadata):
+        sd[prefix + "head.weight"] = torch.full_like(sd[prefix + "head.weight"], 7.0)
+        sd["renamed"] = sd.pop(prefix + "head.bias")
+        return sd
+
+    torch.manual_seed(0)
+    model = _Stack()
+    model._register_state_dict_hook(hook)
+    pipe = RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float64)
+    pipe.forward_backward(input_args=(torch.randn(4, 4),), label=torch.randn(4, 2),
+                          loss_fn=F.mse_loss)
+    pipe.step(torch.optim.SGD(pipe.optim_parameters(), lr=0.1))
+    sd = pipe.state_dict()
+    assert "head.bias" not in sd and "renamed" in sd
+    assert torch.equal(sd["head.weight"], torch.full((2, 4), 7.0))
+    masters = dict(pipe.optim_named_parameters())
+    assert torch.equal(sd["layers.0.weight"], masters["layers.0.weight"])  # the rest: masters
+    pipe.close()
