@@ -10,6 +10,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
@@ -22,7 +23,7 @@ from .backprop import (GradRequest, attach_backward, refuse_hooks_split_by_micro
 from .loss import mark_loss_fn_error, returned_loss, sum_losses
 from .input_grads import GradRoots, grad_roots, reached_parameters, send_grads
 from . import current
-from .compiler import PlanOptions, analyze, make_plan
+from .compiler import PlanOptions, analyze, estimate_again, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .dtype_diagnosis import diagnose_dtypes, dtype_mismatch
 from .errors import (CheckpointError, ConfigError, InputError, InputGradientError, ModelError,
@@ -30,13 +31,13 @@ from .errors import (CheckpointError, ConfigError, InputError, InputGradientErro
                      RoundPipeError, StepError,
                      TraceError, UnknownConfigFieldError, unknown_options_message)
 from .merged_outputs import merge_plan, merged_outputs, output_columns, tail_values
-from .passes.cost import DeviceModel, with_measured_times
+from .passes.cost import CostReport, DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
 from .passes.dtype_check import mixed_dtype_op
 from .passes.trace import describe_tensors, refuse_unrunnable_example
 from . import host_step
-from .plan import HostStepEstimate, StagePlan
-from .programs import CompiledProgram, plan_key, tracing_autocast
+from .plan import HostStepEstimate, InputSignature, StagePlan
+from .programs import CompiledProgram, plan_key, stage_layout, tracing_autocast
 from .runtime.call import autocast_state, memory_budget, microbatch_keys
 from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devices
 from .runtime.pinning import PIN_MODES, pin_host_state, unpin
@@ -55,7 +56,7 @@ from .runtime.optimizer import OptimizerWorker
 from .runtime.landing_step import LandingStep
 from .runtime import offload, param_hooks
 from .ops.rng import RngKey
-from .runtime.signature import flatten_inputs, leading_size, matches
+from .runtime.signature import flat_leaves, flatten_inputs, leading_size, matches
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,26 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _MAX_PROGRAMS = 16  # programs a pipe keeps (shapes, modes, attribute values)
+_MAX_SHAPES = 8  # cost reports (with their plans) a program keeps, by microbatch shapes
 _PLAIN = (bool, int, float, str, type(None))  # attribute values a program's key holds
+
+
+def _cost_example(sig: InputSignature, mbs: list[tuple[tuple[Any, ...], dict[str, Any]]]
+                  ) -> tuple[tuple, list[Any]]:
+    """What a call's costs are estimated on: its largest microbatch (its shapes, and its
+    flat inputs).  A microbatch of 1 sample too: the program runs on it, though it was
+    traced on the whole batch (export would specialise a batch of 1), whose costs scaled
+    to a microbatch overestimate a loss or backward stage's memory by 1.3x (a GPT)."""
+    def elements(mb: tuple[tuple[Any, ...], dict[str, Any]]) -> int:
+        return sum(t.numel() for t in pytree.tree_leaves(mb) if isinstance(t, torch.Tensor))
+
+    flat = flat_leaves(sig, *max(mbs, key=elements)) or []
+    return _shapes("microbatch", flat), flat
+
+
+def _shapes(tag: Any, flat: Sequence[Any]) -> tuple:
+    return (tag,) + tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None
+                          for x in flat)
 
 
 def _same_attributes(attributes: tuple[tuple[torch.nn.Module, str, Any], ...]) -> bool:
@@ -446,7 +466,7 @@ class RoundPipe:
                     and entry.autocast == autocast and entry.grad == grad \
                     and _same_attributes(entry.attributes) and all(
                     matches(entry.plan.program.inputs, a, k) for a, k in mbs):
-                self._use_cap(entry, cap, cfg)
+                self._use_cap(entry, cap, cfg, mbs, full_args, full_kwargs)
                 self._current = entry
                 return entry
         changed = next((c for e in self._compiled if e.modules == modules
@@ -513,8 +533,16 @@ class RoundPipe:
             if type(value) in _PLAIN)  # (an opaque module's recording run may set a tensor)
         entry = CompiledProgram(plan, host, executor, training, analysis, autocast, grad=grad,
                                 modules=modules, attributes=attributes)
-        entry.by_cap[(cap, cfg.num_microbatch, cfg.recompute_grain)] = (entry.plan,
-                                                                         entry.executor)
+        # The costs describe the example traced: the first microbatch, or the whole batch
+        # (a new call of its shapes and microbatch count would be estimated as it was).
+        traced_example = analysis.traced.example_inputs if analysis.traced else ()
+        shapes = _shapes("microbatch" if per_mb else ("batch", cfg.num_microbatch),
+                         traced_example)
+        entry.costs[shapes] = analysis.report
+        entry.shapes = shapes
+        entry.executors[stage_layout(plan)] = executor
+        entry.by_cap[(shapes, cap, cfg.num_microbatch, cfg.recompute_grain)] = (plan, executor)
+        self._use_cap(entry, cap, cfg, mbs, full_args, full_kwargs)  # a larger later one
         self._compiled.append(entry)
         self._current = entry
         return entry
@@ -540,20 +568,60 @@ class RoundPipe:
             self._caps[cfg.memory_fraction] = memory_budget(self.devices, cfg.memory_fraction)
         return self._caps[cfg.memory_fraction]
 
-    def _use_cap(self, entry: CompiledProgram, cap: int | None, cfg: ResolvedRunConfig) -> None:
-        """Make ``entry.plan`` the plan for this call's memory cap, microbatch count and
-        recompute grain (``pipe.plan`` is the most recent call's, per-call overrides
-        included), partitioning again without tracing where none exists yet."""
-        key = (cap, cfg.num_microbatch, cfg.recompute_grain)
-        if plan_key(entry.plan, cfg.recompute_grain) == key:
+    def _use_cap(self, entry: CompiledProgram, cap: int | None, cfg: ResolvedRunConfig,
+                 mbs: list[tuple[tuple[Any, ...], dict[str, Any]]],
+                 full_args: tuple[Any, ...], full_kwargs: dict[str, Any]) -> None:
+        """Make ``entry.plan`` the plan for this call's microbatch shapes, memory cap,
+        microbatch count and recompute grain (``pipe.plan`` is the most recent call's,
+        per-call overrides included), partitioning again without tracing where none exists
+        yet.  Costs and stage memory are estimated per microbatch shapes: a call whose
+        microbatches have other shapes than the example traced (another batch size,
+        sequence length or num_microbatch) gets them estimated again on fake tensors of its
+        own, instead of a plan whose memory figures, and the cap check, describe another
+        call's activations."""
+        shapes, example = _cost_example(entry.plan.program.inputs, mbs)
+        key = (shapes, cap, cfg.num_microbatch, cfg.recompute_grain)
+        if entry.shapes == shapes and plan_key(entry.plan, cfg.recompute_grain) == key[1:]:
             return
         if key not in entry.by_cap:
+            report = entry.costs.get(shapes)
+            if report is None:
+                report = self._estimate_again(entry, shapes, example)
             a = entry.analysis
-            plan = make_plan(a.program, a.units, a.report, self._plan_options(cfg, cap),
+            plan = make_plan(a.program, a.units, report, self._plan_options(cfg, cap),
                              notes=a.notes)
-            entry.by_cap[key] = (plan, Executor(plan, entry.host, self.devices,
-                                                self._landing, self.compile_units))
-        entry.plan, entry.executor = entry.by_cap[key]
+            layout = stage_layout(plan)
+            executor = entry.executors.get(layout)
+            if executor is None:  # the stage boundaries of no plan before
+                executor = entry.executors[layout] = Executor(
+                    plan, entry.host, self.devices, self._landing, self.compile_units)
+            entry.by_cap[key] = (plan, executor)
+        plan, executor = entry.by_cap[key]
+        executor.plan = plan  # the same stages; its out-of-memory advice quotes this plan
+        entry.plan, entry.executor, entry.shapes = plan, executor, shapes
+        entry.costs.move_to_end(shapes)
+        entry.analysis = dataclasses.replace(entry.analysis, report=entry.costs[shapes])
+
+    def _estimate_again(self, entry: CompiledProgram, shapes: tuple, example: list[Any]
+                        ) -> CostReport:
+        """The costs of ``entry``'s program on a microbatch of ``shapes`` (kept for the
+        next call of these shapes; the least recently used beyond ``_MAX_SHAPES`` are
+        dropped with their plans, and the executors no plan left uses)."""
+        started = time.perf_counter()
+        with tracing_autocast(self.devices[0].torch_device.type, entry.autocast):
+            report = estimate_again(entry.analysis, example, device_model=self.device_model)
+        if report is None:  # pragma: no cover - programs of pipes keep their graph
+            report = entry.analysis.report
+        entry.costs[shapes] = report
+        while len(entry.costs) > _MAX_SHAPES:
+            old, _ = entry.costs.popitem(last=False)
+            entry.by_cap = {k: v for k, v in entry.by_cap.items() if k[0] != old}
+            used = {stage_layout(p) for p, _ in entry.by_cap.values()}
+            used.add(stage_layout(entry.plan))
+            entry.executors = {k: e for k, e in entry.executors.items() if k in used}
+        log.info("roundpipe: costs of %s estimated again for microbatch shapes %s in %.3f s",
+                 type(self.model).__name__, shapes, time.perf_counter() - started)
+        return report
 
     # --- for GradScaler (a documented internal interface) ---------------------------------
     def attach_step_observer(self, *, on_step_enqueued: Callable[[int], None],
@@ -624,7 +692,8 @@ class RoundPipe:
         entry.plan = new
         entry.executor = Executor(new, entry.host, self.devices, self._landing,
                                   self.compile_units)
-        entry.by_cap = {plan_key(new, "stage"): (entry.plan, entry.executor)}
+        entry.by_cap = {(entry.shapes, *plan_key(new, "stage")): (entry.plan, entry.executor)}
+        entry.executors = {stage_layout(new): entry.executor}
         return self.plan if self._current is entry else new
 
     # --- calls ---------------------------------------------------------------------------
@@ -1113,6 +1182,9 @@ class RoundPipe:
         version = self._state.fences.target
         autocast = self._autocast()
         stash = [forward.stash]  # emptied by the backward: it frees the activations
+        # The stages that recorded the stash: a later call of other shapes or another
+        # num_microbatch may have made another plan the program's current one.
+        executor = entry.executor
 
         def run_backward(output_grads: list[dict[str, torch.Tensor]],
                          request: GradRequest) -> RunResult:
@@ -1126,7 +1198,7 @@ class RoundPipe:
                             if dp_call else None)
                 # Replicas reduce every trainable parameter's gradient in one layout, so
                 # a data-parallel backward computes them all and commits the asked ones.
-                result = entry.executor.backward(
+                result = executor.backward(
                     stash[0], output_grads, grain=cfg.recompute_grain, keys=keys,
                     fence_version=version, autocast=autocast, on_grads=on_grads,
                     hooks=hooks, only=request.only if dp_call is None else None)

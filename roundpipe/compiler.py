@@ -41,6 +41,7 @@ class Analysis:
     notes: tuple[str, ...]
     leaves: tuple[str, ...] = ()  # modules the trace kept opaque (asked for or found)
     traced: TracedGraph | None = None  # the flat graph (output merges are proven on it)
+    layers: LayerAssignment | None = None  # the units' nodes (costs are estimated again)
 
 
 def analyze(
@@ -87,7 +88,25 @@ def analyze(
     # 3. cost: FLOPs and bytes per unit on fake tensors, liveness across every cut.
     report = estimate_costs(traced, layers, program, device_model, scale=cost_scale)
     return Analysis(program, layers.units, report, traced.notes + layers.notes,
-                    traced.leaves, traced)
+                    traced.leaves, traced, layers)
+
+
+def estimate_again(analysis: Analysis, example_inputs: Sequence[Any], *,
+                   cost_scale: float = 1.0, device_model: DeviceModel | None = None
+                   ) -> CostReport | None:
+    """Pass 3 again, on the analysed program with other example inputs (flat, aligned with
+    ``analysis.traced.inputs.names``): a call whose microbatch has other shapes than the
+    traced example gets costs and stage memory that describe it.  ``cost_scale`` as for
+    :func:`analyze`.  None when the analysis kept no graph to interpret."""
+    if analysis.traced is None or analysis.layers is None:
+        return None
+    traced = dataclasses.replace(analysis.traced, example_inputs=tuple(example_inputs))
+    # A graph that does not run on fake tensors is run once for real: it must not draw
+    # from the caller's random number generator (dropout), as eager would not.
+    with torch.random.fork_rng(devices=[]):
+        return estimate_costs(traced, analysis.layers, analysis.program,
+                              device_model or DeviceModel.for_device("cpu"),
+                              scale=cost_scale)
 
 
 def assign_units(traced: TracedGraph, tree: ModuleTree,

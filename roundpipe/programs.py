@@ -5,6 +5,7 @@ microbatch count and recompute grain (a per-call ``memory_fraction`` or
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -12,6 +13,7 @@ from typing import Iterator
 import torch
 
 from .compiler import Analysis
+from .passes.cost import CostReport
 from .plan import OutputMergePlan, StagePlan
 from .runtime.executor import Executor
 from .runtime.host_state import HostState
@@ -54,11 +56,27 @@ class CompiledProgram:
     attributes: tuple = ()
     # Output merge plans by the way calls split the inputs (value -> dim).
     merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
-    # Plans (and their executors) by (memory cap, num_microbatch, recompute grain).
+    # Plans (and their executors) by (microbatch shapes, memory cap, num_microbatch,
+    # recompute grain): the shapes the costs were estimated on (see ``costs``).
     by_cap: dict[tuple, tuple[StagePlan, Executor]] = field(default_factory=dict)
+    # Cost reports by the per-microbatch input shapes they were estimated on, the most
+    # recently used last (a bounded number: RoundPipe._use_cap), and the shapes of
+    # ``plan``'s.  ``analysis.report`` is ``plan``'s report.
+    costs: collections.OrderedDict[tuple, CostReport] = field(
+        default_factory=collections.OrderedDict)
+    shapes: tuple = ()
+    # Executors by stage layout: plans of other shapes, caps or microbatch counts with the
+    # same stage boundaries run on one (an executor holds the stage programs' wiring and
+    # the torch.compile'd units, nothing of the costs).
+    executors: dict[tuple, Executor] = field(default_factory=dict)
     # The plan as users see it (with its host step), by (plan, bound optimizer): the
     # same object until either changes.
     shown: tuple[tuple[int, int], StagePlan] | None = None
+
+
+def stage_layout(plan: StagePlan) -> tuple:
+    """What an executor depends on of a plan: its stages' kinds and unit ranges."""
+    return tuple((s.kind, s.units) for s in plan.stages)
 
 
 def plan_key(plan: StagePlan, grain: str) -> tuple:
