@@ -355,4 +355,52 @@ def test_state_dict_hooks_hold_with_masters():
     assert torch.equal(sd["head.weight"], torch.full((2, 4), 7.0))
     masters = dict(pipe.optim_named_parameters())
     assert torch.equal(sd["layers.0.weight"], masters["layers.0.weight"])  # the rest: masters
+
+
+class _TorchModules(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.norm = nn.LayerNorm(4)
+        self.act = nn.LeakyReLU(0.1)
+        self.drop = nn.Dropout(0.0)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.drop(self.act(self.norm(self.bn(self.lin(x))))))
+
+
+@pytest.mark.parametrize("module,name,value", [
+    ("drop", "p", 1.0), ("norm", "eps", 10.0), ("act", "negative_slope", 0.5),
+    ("bn", "momentum", 0.9)])
+def test_an_attribute_read_by_a_torch_module_changed_between_calls(module, name, value):
+    """torch's own module classes read plain values in their forwards too (Dropout.p,
+    LayerNorm.eps, LeakyReLU.negative_slope, BatchNorm.momentum): changed after the first
+    call (a dropout schedule), the pipe kept the traced value silently (outputs 0.6 to 1.0
+    off in float64); the reads of torch's module classes now count as the model's."""
+    torch.manual_seed(0)
+    model = _TorchModules()
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    for step in range(2):
+        if step == 1:
+            for m in (eager, model):
+                setattr(getattr(m, module), name, value)
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        want = 0
+        for a, b in zip(x.split(2), y.split(2)):  # eager's per-microbatch loop
+            loss = F.mse_loss(eager(a), b)
+            loss.backward()
+            want = want + loss.detach()
+        got = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        pipe.synchronize()
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-12)
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=n)
+        for (n, b), c in zip(model.named_buffers(), eager.buffers()):
+            torch.testing.assert_close(b, c, rtol=0, atol=1e-12, msg=n)
+    assert len(pipe.plans) == 2
     pipe.close()

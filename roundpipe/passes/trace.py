@@ -223,6 +223,17 @@ _TRACE_LOCK = threading.Lock()
 _PLAIN_VALUES = (bool, int, float, str, type(None))
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _ROUNDPIPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# torch's module classes' own forwards (Dropout.p, LayerNorm.eps, LeakyReLU.negative_slope)
+# read values the program holds as constants too; nn.Module's machinery does not.
+_TORCH_MODULES_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
+_TORCH_MODULE_PY = os.path.join(_TORCH_MODULES_DIR, "module.py")
+
+
+def _reads_for_the_model(filename: str) -> bool:
+    """Whether a read from code in ``filename`` is one the traced program holds."""
+    if filename.startswith(_TORCH_DIR):
+        return filename.startswith(_TORCH_MODULES_DIR) and filename != _TORCH_MODULE_PY
+    return not filename.startswith(_ROUNDPIPE_DIR)
 
 
 @dataclass
@@ -237,8 +248,9 @@ def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[_Reads]:
     reads from its modules while tracing.  The traced program holds them as constants,
     so a value changed after the call (``model.block.scale = 2.0``) must make a new
     program (``RoundPipe`` compares them at every call); it used to keep the old value
-    silently.  ``training`` is keyed apart; reads by torch's and roundpipe's own code do
-    not count."""
+    silently.  ``training`` is keyed apart; reads by torch's module classes count
+    (``model.drop.p = 0.2`` after a call used to keep the traced p), reads by the rest of
+    torch's and by roundpipe's own code do not."""
     modules = {id(m) for m in model.modules()}
     found = _Reads(set(), set())
     thread = threading.get_ident()
@@ -248,8 +260,7 @@ def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[_Reads]:
         value = getattribute(self, name)
         if (type(value) in _PLAIN_VALUES and name != "training" and not name.startswith("__")
                 and id(self) in modules and threading.get_ident() == thread
-                and not sys._getframe(1).f_code.co_filename.startswith(
-                    (_TORCH_DIR, _ROUNDPIPE_DIR))):
+                and _reads_for_the_model(sys._getframe(1).f_code.co_filename)):
             found.classes.add((type(self), name))
             found.instances.add((id(self), name))
         return value
