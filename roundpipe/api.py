@@ -795,6 +795,7 @@ class RoundPipe:
         grad_enabled = torch.is_grad_enabled()
         if step is not None:
             self._refuse_unresumed()
+            self._refuse_late_masters(step)  # (a landing step never reaches self.step)
         with self._lock, diagnose_dtypes(self.model, input_args, input_kwargs), \
                 self._replica_call() as dp_call:
             cfg = self._config(run_config)

@@ -302,3 +302,41 @@ def test_a_parameter_unfrozen_after_the_first_step_is_refused_until_added(optimi
     for (n, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=n)
     pipe.close()
+
+
+def test_a_parameter_unfrozen_after_the_first_step_is_refused_by_forward_backward_step():
+    """forward_backward(step=opt) steps as gradients land (LandingStep), never through
+    pipe.step, so the unfrozen parameter's master, in no optimizer, went unstepped
+    silently (3e-2 off eager's AdamW after four steps, float64).  Refused before the call
+    runs; once added with add_param_group, training equals eager's."""
+    pipe, model, x = _setup(optim_dtype=torch.float64, dtype=torch.float64, frozen=(0,))
+    eager = copy.deepcopy(model)
+    opt = roundpipe.optim.AdamW(pipe.optim_parameters(), lr=0.01, weight_decay=0.0)
+    ref = torch.optim.AdamW(eager.parameters(), lr=0.01, weight_decay=0.0)
+    loss_fn = lambda out, _: out.pow(2).sum()  # noqa: E731
+
+    def both_steps():
+        pipe.forward_backward(input_args=(x,), loss_fn=loss_fn, step=opt)
+        for a in x.chunk(2):
+            eager(a).pow(2).sum().backward()
+        ref.step()
+        ref.zero_grad()
+
+    both_steps()
+    assert pipe.step_overlap(opt) == "per unit"  # (the landing step, not pipe.step)
+    for m in (model, eager):
+        m[0].requires_grad_(True)
+    before = _snapshot(pipe, model)
+    with pytest.raises(OptimizerError, match=r"0\.weight and 1 more became trainable"):
+        pipe.forward_backward(input_args=(x,), loss_fn=loss_fn, step=opt)
+    pipe.synchronize()
+    assert _unchanged(pipe, model, before)
+    assert all(m.grad is None for m in pipe.optim_parameters())
+    named = dict(pipe.optim_named_parameters())
+    opt.add_param_group({"params": [named["0.weight"], named["0.bias"]]})
+    both_steps()
+    both_steps()
+    pipe.synchronize()
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=n)
+    pipe.close()
