@@ -49,7 +49,7 @@ class CompiledProgram:
     # The grad mode traced in: a pipe(x) under no_grad gets a program of its own, since
     # model code may branch on grad mode (nn.MultiheadAttention's fast path).
     grad: bool = True
-    # The module tree and hooks traced against (RoundPipe._module_key).
+    # The module tree and hooks traced against (RoundPipe._model_key).
     modules: tuple = ()
     # (module, attribute, value) of the plain values its code read (trace's
     # attribute_reads): another value makes another program.
