@@ -28,6 +28,7 @@ from .compiler import PlanOptions, analyze, estimate_again, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .dtype_diagnosis import diagnose_dtypes, dtype_mismatch
 from .errors import (CheckpointError, ConfigError, InputError, InputGradientError, ModelError,
+                     PartitionError,
                      OffloadMismatchError, OptimizerError, ParameterHookError,
                      RoundPipeError, StepError,
                      TraceError, UnknownConfigFieldError, unknown_options_message)
@@ -630,8 +631,20 @@ class RoundPipe:
         reuses: an estimate costs 0.3-1.6 s on a small model and 8-30 s on a deep one, and
         a ragged run (padding per batch) would pay it on nearly every call."""
         shapes, example = _cost_example(entry.plan.program.inputs, mbs)
-        if shapes not in entry.costs:  # the plan of a shape estimated that covers it
-            shapes = _covering(entry.costs, shapes) or shapes
+        cover = _covering(entry.costs, shapes) if shapes not in entry.costs else None
+        if cover is not None:  # the plan of a shape estimated that covers it
+            try:
+                return self._select_plan(entry, cover, example, cap, cfg)
+            except PartitionError:
+                # The cover's activations do not fit the cap; this call's own may (more
+                # microbatches is the advice for exactly that): estimated on its own.
+                pass
+        self._select_plan(entry, shapes, example, cap, cfg)
+
+    def _select_plan(self, entry: CompiledProgram, shapes: tuple, example: list[Any],
+                     cap: int | None, cfg: ResolvedRunConfig) -> None:
+        """Make the plan of costs ``shapes`` (estimated on ``example`` if not yet) the
+        entry's; nothing changes if partitioning under the cap fails."""
         key = (shapes, cap, cfg.num_microbatch, cfg.recompute_grain)
         if entry.shapes == shapes and plan_key(entry.plan, cfg.recompute_grain) == key[1:]:
             return

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import models
 import reference
 from roundpipe import (CheckpointError, ConfigError, GradScaler, InputError, LossError,
-                       ModelError, OutOfMemoryError, RoundPipe, RoundPipeError,
+                       ModelError, OutOfMemoryError, PartitionError, RoundPipe, RoundPipeError,
                        RoundPipeRunConfig, StageError, StepError, UnknownConfigFieldError,
                        load_checkpoint)
 
@@ -380,7 +380,12 @@ def test_keyboard_interrupt_during_an_async_step():
 
 # --- out of memory -----------------------------------------------------------------------
 
-def test_out_of_memory_names_stage_bytes_and_advice_then_more_microbatches_fit():
+def test_a_call_whose_microbatch_cannot_fit_is_refused_before_running_then_more_fit():
+    """The plan is estimated for the call's own microbatch (0578030): 512 rows per
+    microbatch cannot fit 0.18 MiB, so the call is refused before anything runs
+    (PartitionError naming the bytes, the cap, its only margin and the ways out; before,
+    the first call's 4-row plan passed the cap and the call ran out of device memory).
+    Following the advice, 16 microbatches fit."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
     small = torch.randn(8, 64)
@@ -389,20 +394,43 @@ def test_out_of_memory_names_stage_bytes_and_advice_then_more_microbatches_fit()
     pipe.forward_backward(input_args=(small,), label=small, loss_fn=F.mse_loss)
     before = State(pipe)
     big = torch.randn(1024, 64)  # 256 KiB per microbatch of 2: more than a device holds
+    with pytest.raises(PartitionError) as info:
+        pipe.forward_backward(input_args=(big,), label=big, loss_fn=F.mse_loss)
+    text = str(info.value)
+    assert "bytes" in text and "memory cap is 184320 bytes" in text, text
+    assert "only margin" in text and "raise num_microbatch" in text, text
+    assert "recompute_grain='layer'" in text
+    assert State(pipe) == before
+    assert all(d.free_bytes() == d.capacity_bytes for d in pipe.devices)  # nothing leaked
+    loss = pipe.forward_backward(input_args=(big,), label=big, loss_fn=F.mse_loss,
+                                 run_config=RoundPipeRunConfig(num_microbatch=16))
+    assert torch.isfinite(loss)
+    pipe.close()
+
+
+def test_out_of_memory_names_stage_bytes_and_advice():
+    """A cap above what the devices hold (memory_cap=64MiB on 200 KiB devices) lets a plan
+    through that does not fit: the device runs out during the call, which raises
+    OutOfMemoryError naming the stage, its estimated bytes, the free memory and the ways
+    out, and changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    small = torch.randn(8, 64)
+    pipe = RoundPipe(model, devices=["cpu"] * 2, device_memory="200KiB", memory_cap="64MiB",
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    pipe.forward_backward(input_args=(small,), label=small, loss_fn=F.mse_loss)
+    before = State(pipe)
+    big = torch.randn(1024, 64)
     with pytest.raises(OutOfMemoryError) as info:
         pipe.forward_backward(input_args=(big,), label=big, loss_fn=F.mse_loss)
     text = str(info.value)
     assert re.search(r"stage \d \((fwd|fused|bwd), units", text) and "cpu:" in text
-    assert "MiB for this stage's job" in text and "under a cap of 0.18 MiB" in text
+    assert "MiB for this stage's job" in text and "under a cap of 64.00 MiB" in text
     assert "only margin" in text and "MiB free of 0.20 MiB" in text
     assert "Lower memory_fraction" in text and "raise num_microbatch" in text
     assert "recompute_grain='layer'" in text
     assert State(pipe) == before
     assert all(d.free_bytes() == d.capacity_bytes for d in pipe.devices)  # nothing leaked
-    # Following the advice: more, smaller microbatches fit.
-    loss = pipe.forward_backward(input_args=(big,), label=big, loss_fn=F.mse_loss,
-                                 run_config=RoundPipeRunConfig(num_microbatch=16))
-    assert torch.isfinite(loss)
     pipe.close()
 
 

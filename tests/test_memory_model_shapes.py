@@ -263,3 +263,23 @@ def test_a_hugging_face_model_padded_per_batch_re_estimates_a_bounded_number_of_
         assert len(lens) < len(set(lengths)), (lengths, lens)
     finally:
         pipe.close()
+
+
+def test_a_covering_plan_that_fails_the_cap_gives_way_to_the_calls_own():
+    """A call covered by estimated shapes whose plan does not fit this call's cap (a lower
+    memory_fraction) is planned from its own shapes, which fit: 6-row microbatches under
+    0.93 of 120000 bytes (8 rows need 114176, 6 rows 110592). It was refused with
+    PartitionError, as if the call itself could not fit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64),
+                                                      torch.nn.Tanh()) for _ in range(4)])
+    with RoundPipe(model, devices=["cpu"] * 2, num_stages=3, device_memory="120000B",
+                   model_run_config=RoundPipeRunConfig(num_microbatch=1)) as pipe:
+        x8, x6 = torch.randn(8, 64), torch.randn(6, 64)
+        pipe.forward_backward(input_args=(x8,), label=x8, loss_fn=F.mse_loss,
+                              run_config=RoundPipeRunConfig(memory_fraction=1.0))
+        assert pipe.plan.device_memory_bytes > 0.93 * 120000
+        loss = pipe.forward_backward(input_args=(x6,), label=x6, loss_fn=F.mse_loss,
+                                     run_config=RoundPipeRunConfig(memory_fraction=0.93))
+        assert torch.isfinite(loss)
+        assert pipe.plan.device_memory_bytes <= pipe.plan.memory_cap == 111600
