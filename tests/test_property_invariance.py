@@ -6,7 +6,8 @@ Models are drawn from parts that each broke the claim once: permuted and channel
 outputs crossing a boundary, recurrent layers (kernels that depend on autograd state),
 attention with transposed inputs, a buffer written under ``no_grad``, an opaque (leaf)
 module, a tied weight and dropout.  ``ROUNDPIPE_PROPERTY_EXAMPLES`` sets how many models
-are drawn (CI: a handful; run it with a few hundred locally).
+are drawn (CI: a handful; run it with a few hundred locally).  Drawn models run on 1, 2
+and 4 devices, each part alone on 1 and 3 (a pipe per device count is most of the time).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def _run(model: nn.Module, devices: int, x: torch.Tensor, y: torch.Tensor, grain
        grain=st.sampled_from(["stage", "layer"]), seed=st.integers(0, 2**16))
 def test_device_count_invariance_and_eager(parts: list[str], tied: bool, dropout: float,
                                            grain: str, seed: int) -> None:
-    _check(parts, tied, dropout, grain, seed, (2, 3, 4))
+    _check(parts, tied, dropout, grain, seed, (2, 4))  # (3: each part alone, below)
 
 
 def _check(parts: list[str], tied: bool, dropout: float, grain: str, seed: int,
@@ -180,7 +181,7 @@ def _check(parts: list[str], tied: bool, dropout: float, grain: str, seed: int,
 
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_each_part_alone(part: str) -> None:
-    """Every part once, deterministically, whatever hypothesis draws (on 1 and 3 devices:
-    the drawn examples move the boundaries over 2, 3 and 4)."""
+    """Every part once, deterministically, whatever hypothesis draws (on 1 and 3 devices;
+    the drawn examples on 1, 2 and 4)."""
     _check([part, part, "Mlp"], tied=part == "Mlp", dropout=0.0, grain="stage", seed=1,
            device_counts=(3,))
