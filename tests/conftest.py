@@ -57,3 +57,14 @@ def _close_pipes_after_each_test():
                 except RoundPipeError as e:
                     warnings.warn(f"closing a pipe the test left open raised "
                                   f"{type(e).__name__}: {e}", LeftOpenWarning, stacklevel=1)
+
+
+@pytest.fixture(scope="session")
+def forkserver():
+    """Fresh Python children, forked from one process that imported torch and roundpipe
+    once (tests/forkserver.py); one per pytest process, started on first use."""
+    from forkserver import ForkServer
+
+    server = ForkServer()
+    yield server
+    server.close()

@@ -5,10 +5,8 @@ its exit status and a line of its output: the bench scripts with ``--smoke`` (ti
 seconds), the examples with tiny sizes through their own arguments.  train_gpt.py,
 finetune_hf.py and finetune_trainer.py run in tests/test_example.py and are not repeated.
 
-Importing torch takes seconds, more than most smoke runs, so the children are forked from
-one process that imported torch and roundpipe once (a fork server; each child then runs
-the script with ``runpy`` as ``python SCRIPT`` does, its own process, its own exit status).
-Without ``os.fork`` each case starts a fresh interpreter instead.
+Each child is forked from the session's fork server (tests/forkserver.py: torch and
+roundpipe imported once; without ``os.fork`` a fresh interpreter).
 
 The GPU benches: ``gpu_profile.py --smoke`` runs its whole path on two virtual CPU devices
 (instrumentation included, no profiler).  ``gpu.py`` and ``gpu_optim.py`` measure CUDA
@@ -18,126 +16,23 @@ shared Llama through a pipe, the optimizers gpu_optim.py builds, its /proc reade
 
 from __future__ import annotations
 
-import json
 import os
-import select
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    p for p in (ROOT, os.environ.get("PYTHONPATH")) if p), "OMP_NUM_THREADS": "1"}
-TIMEOUT_S = 240
-
-# The fork server: reads one JSON request per line, forks a child per request that runs
-# the script as __main__ with its stdout and stderr in a file, and answers its pid, then
-# its exit status.  Only imports happen before the fork (no thread is started yet).
-SERVER = r"""
-import json, os, runpy, sys, traceback
-import torch, tabulate, roundpipe  # what every script imports, paid once
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.chdir(req["cwd"])
-            sys.argv = [req["script"]] + req["args"]
-            sys.path[0] = os.path.dirname(req["script"])
-            try:
-                if req.get("code"):
-                    exec(compile(req["code"], "<smoke>", "exec"), {"__name__": "__main__"})
-                else:
-                    runpy.run_path(req["script"], run_name="__main__")
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if not isinstance(e.code, (int, type(None))):
-                    print(e.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    print(json.dumps({"pid": pid}), flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
-"""
 
 
-class Runner:
-    """Runs scripts in children: forked from the server where the OS can, else fresh."""
-
-    def __init__(self) -> None:
-        self.server = None
-        if hasattr(os, "fork"):
-            self.server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, env=ENV,
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           text=True)
-
-    def run(self, script: str, args: list[str], cwd: str, code: str | None = None
-            ) -> tuple[int, str]:
-        path = os.path.join(ROOT, script)
-        with tempfile.NamedTemporaryFile(suffix=".log", delete=False) as f:
-            log = f.name
-        try:
-            if self.server is None:
-                cmd = [sys.executable] + (["-c", code] if code else [path]) + args
-                with open(log, "w") as out:
-                    rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
-                                        env={**ENV, "PYTHONPATH": os.pathsep.join(
-                                            (os.path.dirname(path), ENV["PYTHONPATH"]))},
-                                        timeout=TIMEOUT_S).returncode
-            else:
-                rc = self._forked(path, args, cwd, code, log)
-            with open(log) as f:
-                return rc, f.read()
-        finally:
-            os.remove(log)
-
-    def _forked(self, path: str, args: list[str], cwd: str, code: str | None, log: str
-                ) -> int:
-        assert self.server is not None and self.server.stdin and self.server.stdout
-        self.server.stdin.write(json.dumps({"script": path, "args": args, "cwd": cwd,
-                                            "log": log, "code": code}) + "\n")
-        self.server.stdin.flush()
-        pid = json.loads(self.server.stdout.readline())["pid"]
-        deadline = time.monotonic() + TIMEOUT_S
-        while not select.select([self.server.stdout], [], [], 1.0)[0]:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)  # the server then answers its status
-                break
-        line = self.server.stdout.readline()
-        if not line:
-            raise RuntimeError("the fork server died")
-        return json.loads(line)["rc"]
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stdin.close()  # type: ignore[union-attr]
-            self.server.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = Runner()
-    yield r
-    r.close()
-
-
-def _check(runner: Runner, script: str, args: list[str], expect: str, tmp_path,
+def _check(forkserver, script: str, args: list[str], expect: str, tmp_path,
            code: str | None = None) -> str:
-    rc, out = runner.run(script, args, str(tmp_path), code)
-    assert rc == 0, f"{script} {' '.join(args)} exited {rc}:\n{out[-3000:]}"
+    if code is None:
+        result = forkserver.run(os.path.join(ROOT, script), args, cwd=str(tmp_path),
+                                merge_stderr=True)
+    else:
+        result = forkserver.run(code=code, args=args, cwd=str(tmp_path), merge_stderr=True)
+    out = result.stdout
+    assert result.returncode == 0, \
+        f"{script} {' '.join(args)} exited {result.returncode}:\n{out[-3000:]}"
     assert expect in out, f"{script}: {expect!r} not in its output:\n{out[-3000:]}"
     return out
 
@@ -168,10 +63,10 @@ BENCH = [
 @pytest.mark.parametrize("script, args, expect", BENCH,
                          ids=[f"{s}{' ' + ' '.join(a[1:]) if a[1:] else ''}"
                               for s, a, _ in BENCH])
-def test_bench_script_runs_in_smoke_mode(runner, script, args, expect, tmp_path):
+def test_bench_script_runs_in_smoke_mode(forkserver, script, args, expect, tmp_path):
     if script == "bench/hf_sweep.py":
         pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
-    out = _check(runner, script, args, expect, tmp_path)
+    out = _check(forkserver, script, args, expect, tmp_path)
     if script == "bench/hf_sweep.py":  # a sweep reports failures as rows: llama must pass
         assert any(line.split()[:2] == ["llama", "ok"] for line in out.splitlines()), out
     if script == "bench/gpu_profile.py":  # the instrumented internal phases were timed
@@ -191,6 +86,8 @@ def test_every_script_has_a_smoke_case():
 
 # The GPU benches' CPU-runnable parts (they measure CUDA only).
 GPU_PARTS = r"""
+import sys
+sys.path.insert(0, {bench!r})  # as python bench/gpu.py has it
 import torch
 import gpu, gpu_optim, gpu_profile  # imports, and the names they take from benchutil
 import roundpipe
@@ -213,15 +110,16 @@ print("gpu parts ok")
 
 
 @pytest.mark.parametrize("script", ["bench/gpu.py", "bench/gpu_optim.py"])
-def test_gpu_bench_help_and_no_cuda_exit(runner, script, tmp_path):
-    _check(runner, script, ["--help"], "usage:", tmp_path)
+def test_gpu_bench_help_and_no_cuda_exit(forkserver, script, tmp_path):
+    _check(forkserver, script, ["--help"], "usage:", tmp_path)
     import torch
     if not torch.cuda.is_available():
-        _check(runner, script, [], "skipped, no CUDA device", tmp_path)
+        _check(forkserver, script, [], "skipped, no CUDA device", tmp_path)
 
 
-def test_gpu_bench_cpu_parts(runner, tmp_path):
-    _check(runner, "bench/gpu.py", [], "gpu parts ok", tmp_path, code=GPU_PARTS)
+def test_gpu_bench_cpu_parts(forkserver, tmp_path):
+    _check(forkserver, "bench/gpu.py", [], "gpu parts ok", tmp_path,
+           code=GPU_PARTS.format(bench=os.path.join(ROOT, "bench")))
 
 
 # Examples not run by tests/test_example.py, with tiny sizes through their own arguments.
@@ -234,7 +132,7 @@ EXAMPLES = [
 
 
 @pytest.mark.parametrize("script, args, expect", EXAMPLES, ids=[s for s, _, _ in EXAMPLES])
-def test_example_runs_with_tiny_sizes(runner, script, args, expect, tmp_path):
+def test_example_runs_with_tiny_sizes(forkserver, script, args, expect, tmp_path):
     if script == "examples/plot_schedule.py":
         pytest.importorskip("matplotlib", reason='needs the plot extra: pip install -e ".[plot]"')
-    _check(runner, script, args, expect, tmp_path)
+    _check(forkserver, script, args, expect, tmp_path)
