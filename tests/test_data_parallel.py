@@ -24,7 +24,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -32,6 +31,7 @@ import torch
 
 import dp_worker
 from dp_worker import reference
+from forkserver import ChildTimeout
 
 import roundpipe
 from roundpipe import DataParallelConfig, RoundPipe
@@ -49,39 +49,35 @@ def _free_port() -> int:
 
 
 class _Launch:
-    """Both replicas of one scenario group, started at once; ``results(rank)`` waits."""
+    """Both replicas of one scenario group, started at once (forked from the session's
+    fork server, tests/forkserver.py: fresh processes); ``results()`` waits."""
 
-    def __init__(self, group: str, workdir: str) -> None:
+    def __init__(self, forkserver, group: str, workdir: str) -> None:
         self.group = group
         self.paths = [os.path.join(workdir, f"{group}.{r}.pt") for r in range(WORLD)]
         port = _free_port()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-        self.procs = []
+        self.children = []
         for rank in range(WORLD):
             # What torchrun sets for each process; init_distributed() reads them.
-            renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
+            renv = {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            self.procs.append(subprocess.Popen(
-                [sys.executable, WORKER, group, self.paths[rank]], env=renv, cwd=ROOT,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            self.children.append(forkserver.start(
+                WORKER, [group, self.paths[rank]], env=renv, cwd=ROOT,
+                timeout=LAUNCH_TIMEOUT_S, merge_stderr=True))
         self._results: list[dict[str, Any]] | None = None
 
     def results(self) -> list[dict[str, Any]]:
         if self._results is None:
-            outputs = []
-            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-            for proc in self.procs:
-                try:
-                    out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    for p in self.procs:
-                        p.kill()
-                    pytest.fail(f"the {self.group} replicas did not finish within "
-                                f"{LAUNCH_TIMEOUT_S} s (a hang)")
-                outputs.append(out)
-            for rank, (proc, out) in enumerate(zip(self.procs, outputs)):
-                assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{out[-3000:]}"
+            try:
+                done = [child.wait() for child in self.children]  # one deadline each
+            except ChildTimeout as e:
+                for child in self.children:
+                    child.kill()
+                pytest.fail(f"the {self.group} replicas did not finish within "
+                            f"{LAUNCH_TIMEOUT_S} s (a hang): {e}")
+            for rank, result in enumerate(done):
+                assert result.returncode == 0, \
+                    f"rank {rank} exited {result.returncode}:\n{result.stdout[-3000:]}"
             self._results = [torch.load(p, weights_only=False) for p in self.paths]
         return self._results
 
@@ -93,10 +89,10 @@ class _Launch:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict[str, _Launch]:
+def launches(tmp_path_factory, forkserver) -> dict[str, _Launch]:
     # Both groups start now and run while the references are computed in this process.
     workdir = str(tmp_path_factory.mktemp("data_parallel"))
-    return {g: _Launch(g, workdir) for g in dp_worker.GROUPS}
+    return {g: _Launch(forkserver, g, workdir) for g in dp_worker.GROUPS}
 
 
 def _assert_states_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],

@@ -1,25 +1,21 @@
-"""The README's main job runs end to end (a few steps) on virtual CPU devices."""
+"""The README's main job runs end to end (a few steps) on virtual CPU devices.
+
+Each example runs as ``python examples/X.py`` in a child forked from the session's fork
+server (tests/forkserver.py), with this checkout's roundpipe first on its path."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The examples import roundpipe from this checkout, whatever copy is installed.
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
 
 
-def test_train_gpt_example_runs_and_prints_the_plan():
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "20",
-         "--devices", "2"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env=ENV)
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_train_gpt_example_runs_and_prints_the_plan(forkserver):
+    result = forkserver.run(os.path.join(ROOT, "examples", "train_gpt.py"),
+                            ["--steps", "20", "--devices", "2"], cwd=ROOT)
+    assert result.returncode == 0, result.output[-3000:]
     out = result.stdout
     assert "stage" in out and "fused" in out and "bwd" in out  # the plan table
     # Piped, progress is a plain line every tenth of the run, never a redrawn bar.
@@ -28,15 +24,13 @@ def test_train_gpt_example_runs_and_prints_the_plan():
     assert float(first.split()[-1]) > float(last.split()[3]) > 0  # it learns
 
 
-def test_finetune_hf_example_runs_and_reports_progress():
+def test_finetune_hf_example_runs_and_reports_progress(forkserver):
     """The Hugging Face fine-tuning example: a tiny Llama from a config, on two virtual CPU
     devices, a few steps of batches whose sequence length varies."""
     pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "finetune_hf.py"), "--steps", "8",
-         "--devices", "2"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env=ENV)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = forkserver.run(os.path.join(ROOT, "examples", "finetune_hf.py"),
+                            ["--steps", "8", "--devices", "2"], cwd=ROOT)
+    assert result.returncode == 0, result.output[-3000:]
     out = result.stdout
     assert "LlamaForCausalLM" in out and "fused" in out  # the model and its plan
     assert "fine-tune 8/8: loss" in out and "\r" not in out + result.stderr  # piped
@@ -45,15 +39,14 @@ def test_finetune_hf_example_runs_and_reports_progress():
     assert "1 compiled program(s) for 8 batches" in out  # lengths vary, shapes are dynamic
 
 
-def test_finetune_trainer_example_runs_through_transformers_trainer(tmp_path):
+def test_finetune_trainer_example_runs_through_transformers_trainer(forkserver, tmp_path):
     """RoundPipeTrainer in the example: a few steps on two virtual CPU devices, Trainer's
     own logs, then the plan and a held-out evaluation through the pipe."""
     pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "finetune_trainer.py"), "--steps",
-         "6", "--devices", "2", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env=ENV)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = forkserver.run(os.path.join(ROOT, "examples", "finetune_trainer.py"),
+                            ["--steps", "6", "--devices", "2", "--output-dir", str(tmp_path)],
+                            cwd=ROOT)
+    assert result.returncode == 0, result.output[-3000:]
     out = result.stdout
     assert "LlamaForCausalLM on cpu:0, cpu:1, exact steps" in out
     assert "fused" in out and "'loss':" in out  # the plan, and Trainer's log lines

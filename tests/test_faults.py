@@ -11,8 +11,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -475,27 +473,26 @@ _TRAIN = textwrap.dedent("""
 """)
 
 
-def _python(code: str, tmp_path, optimizer: str = "torch.optim.AdamW") -> None:
+def _python(forkserver, code: str, tmp_path, optimizer: str = "torch.optim.AdamW") -> None:
     script = tmp_path / "train.py"
     script.write_text(_TRAIN.format(tests=os.path.dirname(__file__), optimizer=optimizer)
                       + code)
-    # this checkout's roundpipe, installed or not
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=240, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # a fresh process (forked: tests/forkserver.py), this checkout's roundpipe first
+    result = forkserver.run(str(script), cwd=ROOT)
+    assert result.returncode == 0, result.output[-3000:]
 
 
 # roundpipe.optim.AdamW passes this test too (run it with optimizer=...); CI runs its
 # in-process variant with staged weights (tests/test_optim.py), 2 s against 37 s here.
 @pytest.mark.parametrize("optimizer", ["torch.optim.AdamW"])
-def test_checkpoint_and_resume_in_a_fresh_process_is_bit_exact(tmp_path, optimizer):
+def test_checkpoint_and_resume_in_a_fresh_process_is_bit_exact(forkserver, tmp_path,
+                                                              optimizer):
     """6 steps straight == 3 steps, checkpoint (with an async step pending), a fresh
     process loads it and trains 3 more: dropout streams and GradScaler state included."""
-    _python(f"run(6, out={str(tmp_path / 'straight.pt')!r})", tmp_path, optimizer)
-    _python(f"run(6, save_at=3, out={str(tmp_path / 'ckpt.pt')!r})", tmp_path, optimizer)
-    _python(f"run(6, load={str(tmp_path / 'ckpt.pt')!r}, "
+    _python(forkserver, f"run(6, out={str(tmp_path / 'straight.pt')!r})", tmp_path, optimizer)
+    _python(forkserver, f"run(6, save_at=3, out={str(tmp_path / 'ckpt.pt')!r})", tmp_path,
+            optimizer)
+    _python(forkserver, f"run(6, load={str(tmp_path / 'ckpt.pt')!r}, "
             f"out={str(tmp_path / 'resumed.pt')!r})", tmp_path, optimizer)
     straight = torch.load(tmp_path / "straight.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)

@@ -318,7 +318,7 @@ def _resume_run(out: str, checkpoint: str | None) -> RoundPipeTrainer:
     return trainer
 
 
-def test_resume_from_a_checkpoint_in_a_fresh_process_is_bitwise(tmp_path):
+def test_resume_from_a_checkpoint_in_a_fresh_process_is_bitwise(forkserver, tmp_path):
     """Asynchronous steps (two exact ones first, then predicted weights), dropout,
     accumulation: 6 steps in one go, and steps 4-6 again in another process from the
     checkpoint of step 3: the same losses and weights, bit for bit."""
@@ -332,12 +332,10 @@ def test_resume_from_a_checkpoint_in_a_fresh_process_is_bitwise(tmp_path):
     checkpoint = tmp_path / "whole" / "checkpoint-3"
     assert (checkpoint / "roundpipe.pt").is_file() and (checkpoint / "optimizer.pt").is_file()
     result = tmp_path / "resumed.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path / "resumed"),
-                           str(checkpoint), str(result)],
-                          capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # A fresh process (forked: tests/forkserver.py), this checkout's roundpipe first.
+    proc = forkserver.run(os.path.abspath(__file__), [str(tmp_path / "resumed"),
+                                                      str(checkpoint), str(result)])
+    assert proc.returncode == 0, proc.output[-3000:]
     resumed = json.loads(result.read_text())
     assert len(resumed["losses"]) == STEPS  # 1-3 from the checkpoint, 4-6 run again
     assert resumed["losses"] == _logged(whole, "loss")

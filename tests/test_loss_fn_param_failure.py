@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -317,7 +315,8 @@ _WORKER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("masters", [None, torch.float64], ids=["params", "masters"])
-def test_data_parallel_reduces_loss_fn_part_like_the_rest(masters, tmp_path) -> None:
+def test_data_parallel_reduces_loss_fn_part_like_the_rest(masters, forkserver,
+                                                          tmp_path) -> None:
     """Two replicas with one microbatch each (summed) are bitwise one process with two
     microbatches (tests/test_data_parallel.py says why); before, the loss_fn part of a
     parameter's gradient stayed on each replica's own parameter, not reduced."""
@@ -327,16 +326,19 @@ def test_data_parallel_reduces_loss_fn_part_like_the_rest(masters, tmp_path) -> 
     script = tmp_path / "worker.py"
     script.write_text(_WORKER.format(root=ROOT, tests=os.path.join(ROOT, "tests"),
                                      masters=repr(masters)))
-    procs = []
+    children = []  # both ranks at once, fresh processes (forked: tests/forkserver.py)
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(tmp_path / f"{rank}.pt")],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for proc in procs:
-        out, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, out[-3000:]
+        children.append(forkserver.start(str(script), [str(rank), str(tmp_path / f"{rank}.pt")],
+                                         env=env, cwd=ROOT, merge_stderr=True))
+    try:
+        for child in children:
+            result = child.wait()
+            assert result.returncode == 0, result.stdout[-3000:]
+    finally:
+        for child in children:  # a rank that failed or hung leaves its peer waiting
+            child.kill()
     replicas = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
 
     model, x, y = make()

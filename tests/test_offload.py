@@ -7,8 +7,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -215,14 +213,15 @@ _KILLED = textwrap.dedent("""
 """)
 
 
-def test_a_kill_during_the_write_back_leaves_the_last_whole_step(tmp_path):
+def test_a_kill_during_the_write_back_leaves_the_last_whole_step(forkserver, tmp_path):
     """A process killed (SIGKILL) in the middle of step 3's write-back leaves files that
     hold step 2 exactly: the masters and moments of two steps in memory."""
     path = str(tmp_path / "t")
     script = _KILLED.format(tests=os.path.dirname(__file__), path=path)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    # a fresh process (forked: tests/forkserver.py) that SIGKILLs itself
+    proc = forkserver.run(code=script, cwd=os.path.dirname(os.path.dirname(__file__)),
+                          timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.output
     step, files = read_committed(path)
     assert step == 2
     model, args, kwargs = _model()
@@ -517,7 +516,8 @@ def _checkpoint(tmp_path, sharded, steps=2):
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_a_kill_while_loading_a_checkpoint_leaves_the_state_before_it(tmp_path, sharded):
+def test_a_kill_while_loading_a_checkpoint_leaves_the_state_before_it(forkserver, tmp_path,
+                                                                       sharded):
     """A process killed (SIGKILL) while load_checkpoint writes into the tier, after the
     masters and before the moments, leaves the files at the step before the load, every
     tensor of it: not the checkpoint's masters beside the old moments."""
@@ -525,9 +525,10 @@ def test_a_kill_while_loading_a_checkpoint_leaves_the_state_before_it(tmp_path, 
     path = str(tmp_path / "t")
     script = _KILLED_IN_LOAD.format(tests=os.path.dirname(__file__), path=path,
                                     ckpt=str(ckpt))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    # a fresh process (forked: tests/forkserver.py) that SIGKILLs itself
+    proc = forkserver.run(code=script, cwd=os.path.dirname(os.path.dirname(__file__)),
+                          timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.output
     step, files = read_committed(path)
     assert step == 1
     model, args, kwargs = _model()

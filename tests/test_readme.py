@@ -7,8 +7,6 @@ import ast
 import builtins
 import os
 import re
-import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,14 +76,16 @@ def test_every_python_block_imports_what_it_uses():
         assert _undefined(code) <= PLACEHOLDERS, (title, _undefined(code) - PLACEHOLDERS)
 
 
-def test_the_use_block_runs_as_pasted_on_the_cpu(tmp_path):
+def test_the_use_block_runs_as_pasted_on_the_cpu(forkserver, tmp_path):
     code = next(code for title, code in _python_blocks() if title == "Use")
     assert _undefined(code) == set()  # nothing left to the reader
-    env = {k: v for k, v in os.environ.items() if k != "ROUNDPIPE_DEVICES"}
-    env.update(PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, cwd=str(tmp_path), env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # As ``python -c BLOCK`` in an empty directory, CUDA hidden.  The child is forked from
+    # a process that imported only torch, tabulate and roundpipe (tests/forkserver.py,
+    # CUDA not initialised), so the block's own imports and names are what it runs on,
+    # as in a new interpreter; _undefined checks the names the block uses.
+    proc = forkserver.run(code=code, cwd=str(tmp_path), env={"CUDA_VISIBLE_DEVICES": ""},
+                          unset=["ROUNDPIPE_DEVICES"], timeout=300)
+    assert proc.returncode == 0, proc.output[-3000:]
     assert "fused" in proc.stdout  # the plan it prints
 
 
