@@ -31,13 +31,24 @@ on a loaded host can be a microbatch later).  On virtual devices this lands with
 
 from __future__ import annotations
 
+import builtins
 import logging
+import math
+import operator
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.nn.modules import module as nn_module
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from ..ops import modes, rng
 from ..ops.modcall import rehearsal
 from ..ops.rng import RngKey
 from ..ops.storage_ledger import StorageLedger
@@ -72,6 +83,11 @@ class MemoryModel:
     block_bytes: int
     fake_mode: FakeTensorMode = field(repr=False)
     _cache: dict[Any, int] = field(default_factory=dict, repr=False)
+    # per unit index / value / state slot: its part of the replay cache's key (None: not
+    # keyable), computed once
+    _unit_keys: dict[int, Any] = field(default_factory=dict, repr=False)
+    _value_keys: dict[str, Any] = field(default_factory=dict, repr=False)
+    _state_keys: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def stage_bytes(self, kind: str, units: tuple[int, int], *, num_microbatch: int,
                     num_devices: int, grain: str = "stage") -> int:
@@ -146,7 +162,21 @@ class MemoryModel:
     def _replay(self, kind: str, start: int, stop: int, accumulated: bool,
                 grain: str) -> int:
         """Peak bytes of one microbatch beyond the weights (and the accumulated
-        gradients), on fake tensors under a fresh ledger."""
+        gradients): a replay of the same computation earlier in the process (another
+        pipe of the same model, another device count or cap) gives it at once."""
+        key = self._replay_key(kind, start, stop, accumulated, grain)
+        if key is not None:
+            peak = _REPLAYS.get(key)
+            if peak is not None:
+                return peak
+        peak = self._run_replay(kind, start, stop, accumulated, grain)
+        if key is not None:
+            _REPLAYS.put(key, peak)
+        return peak
+
+    def _run_replay(self, kind: str, start: int, stop: int, accumulated: bool,
+                    grain: str) -> int:
+        """The replay itself: one microbatch on fake tensors under a fresh ledger."""
         units = self.program.units[start:stop]
         ledger = StorageLedger("cpu", block_bytes=self.block_bytes)
         with self.fake_mode, rehearsal():
@@ -171,6 +201,64 @@ class MemoryModel:
                     del held
                 del uploaded
         return ledger.peak_bytes()
+
+    # --- the replay cache's key ----------------------------------------------------------
+    # A replay's peak is a function of exactly what it reads, and the key holds all of it:
+    # * its arguments kind, accumulated, grain, and block_bytes (the ledger's rounding);
+    # * per unit of the range, the program it calls: every node of the GraphModule's graph
+    #   (op, target, args/kwargs with nodes by position, constants by exact type and value,
+    #   get_attr tensors by metadata and, when tiny, value: fake mode propagates those),
+    #   the unit's inputs/state/outputs names and needs_device/needs_rng (the extras
+    #   ``_call`` passes).  Only programs whose every call is fixed by its name are keyed:
+    #   aten/prims ops, operator/math/a few builtins, the keyed random ops (``seeded`` only
+    #   for aten/prims/torch-level ops) and the region enter/exit calls; a call_module, a
+    #   user's op, an opaque module call or an unkeyable constant leaves the replay uncached;
+    # * the values it may upload (every unit input of the range, and for a fused job the
+    #   program outputs the stand-in loss reads): metadata (shape, stride, offset, dtype,
+    #   device, layout, conj/neg bits, requires_grad, a fake constant's value) and whether
+    #   gradients flow through them (``carries``); non-tensors by exact type and value;
+    # * every state slot of the range: metadata and whether it is trainable;
+    # * what the job derives from the rest of the program: ``_reads``, ``_host_grads`` and
+    #   the loss's output names (``program.outputs``, in order);
+    # * the thread's modes the replay runs under (default dtype, grad/inference mode); no
+    #   caching under autocast, a dispatch/function mode or global module hooks.
+    # Nothing else is read: ``fake_mode`` is made alike for every model, ``_KEY`` and the
+    # device passed are constants, and ``scale`` is applied after (stage_bytes).
+    def _replay_key(self, kind: str, start: int, stop: int, accumulated: bool,
+                    grain: str) -> tuple[Any, ...] | None:
+        units = self.program.units[start:stop]
+        unit_keys = []
+        for i, u in zip(range(start, stop), units):
+            if i not in self._unit_keys:
+                self._unit_keys[i] = _unit_key(u)
+            if self._unit_keys[i] is None:
+                return None
+            unit_keys.append(self._unit_keys[i])
+        names = [v for u in units for v in u.inputs]
+        loss_outputs = tuple(o.value for o in self.program.outputs if o.value is not None) \
+            if kind == "fused" else ()
+        value_keys = []
+        for v in dict.fromkeys(names + list(loss_outputs)):
+            if v not in self._value_keys:
+                self._value_keys[v] = _value_key(self.values, v)
+            if self._value_keys[v] is None:
+                return None
+            value_keys.append((v, self._value_keys[v], v in self.carries))
+        state_keys = []
+        for slot in sorted({s for u in units for s in u.state}):
+            if slot not in self._state_keys:
+                self._state_keys[slot] = (_tensor_key(self.state[slot]) if slot in self.state
+                                          else ("missing",))
+            meta = self._state_keys[slot]
+            if meta is None:
+                return None
+            state_keys.append((slot, meta, slot in self.trainable))
+        thread = _thread_modes()
+        if thread is None:
+            return None
+        return (kind, accumulated, grain, self.block_bytes, thread, tuple(unit_keys),
+                tuple(value_keys), tuple(state_keys), self._reads(kind, start, stop, grain),
+                tuple(sorted(self._host_grads(kind, stop))), loss_outputs)
 
     def _upload(self, name: str) -> Any:
         value = self.values[name]
@@ -312,6 +400,235 @@ class ReplayFailed(Exception):
     """A stage's job does not replay on fake tensors (a module that rebinds its own
     parameters in forward, say), though the units ran on them once: the plan falls back to
     summed unit costs (compiler.make_plan)."""
+
+
+# --- the process-wide replay cache ---------------------------------------------------------
+class _ReplayCache:
+    """Replay peaks by the content of their computation (``MemoryModel._replay_key``):
+    a process often plans the same model several times (device counts, caps, re-created
+    pipes).  Least recently used entries go first; shared by the threads that plan."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._entries: OrderedDict[Any, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> int | None:
+        with self._lock:
+            peak = self._entries.get(key)
+            if peak is not None:
+                self._entries.move_to_end(key)
+            return peak
+
+    def put(self, key: Any, peak: int) -> None:
+        with self._lock:
+            self._entries[key] = peak
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_REPLAYS = _ReplayCache(maxsize=2048)
+
+
+def clear_replay_cache() -> None:
+    """Forget every cached replay peak (tests compare with fresh replays)."""
+    _REPLAYS.clear()
+
+
+class _Keyed:
+    """A unit's part of a key, its hash computed once (a key holds several)."""
+
+    __slots__ = ("data", "hash")
+
+    def __init__(self, data: tuple[Any, ...]) -> None:
+        self.data = data
+        self.hash = hash(data)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _Keyed) and self.hash == other.hash
+                                 and self.data == other.data)
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+_ATOMS = (int, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format)
+_SEQUENCES = (tuple, list, immutable_list)
+_MAPPINGS = (dict, immutable_dict)
+_MAX_VALUE_NUMEL = 16  # tensors this small are keyed by value too (fake mode keeps 1)
+_BUILTINS = frozenset({builtins.getattr, builtins.len, builtins.int, builtins.float,
+                       builtins.bool, builtins.min, builtins.max, builtins.abs,
+                       builtins.round, builtins.divmod, builtins.pow, builtins.sum,
+                       builtins.range, builtins.slice})
+_REGION_CALLS = {modes.enter_grad_mode: "enter_grad_mode",
+                 modes.exit_grad_mode: "exit_grad_mode",
+                 modes.enter_autocast: "enter_autocast",
+                 modes.exit_autocast: "exit_autocast",
+                 torch._C._set_grad_enabled: "torch._C._set_grad_enabled",
+                 torch.amp.autocast_mode._enter_autocast: "_enter_autocast",
+                 torch.amp.autocast_mode._exit_autocast: "_exit_autocast"}
+_OP_NAMESPACES = ("aten", "prims")
+
+
+def _constant_key(value: Any, positions: Mapping[torch.fx.Node, int] | None = None) -> Any:
+    """An exact key of a constant (a node by its position when ``positions`` is given);
+    raises _Unkeyable for anything else."""
+    kind = type(value)
+    if kind is torch.fx.Node:
+        if positions is None or value not in positions:
+            raise _Unkeyable(value)
+        return ("node", positions[value])
+    if kind is float:
+        return (float, value.hex())  # -0.0 and 0.0 apart
+    if kind in _ATOMS:
+        return (kind, value)
+    if kind is torch.device:
+        return (torch.device, value.type, value.index)
+    if value is Ellipsis:
+        return ("...",)
+    if kind is slice:
+        return (slice, _constant_key(value.start, positions),
+                _constant_key(value.stop, positions), _constant_key(value.step, positions))
+    if kind in _SEQUENCES:
+        return (kind, tuple(_constant_key(x, positions) for x in value))
+    if kind in _MAPPINGS:
+        return (kind, tuple((_constant_key(k), _constant_key(v, positions))
+                            for k, v in value.items()))
+    raise _Unkeyable(value)
+
+
+def _tensor_bytes(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def _tensor_key(t: Any) -> tuple[Any, ...] | None:
+    """Everything of a tensor a fake replay can see; None when that is not all known."""
+    try:
+        if t.layout is not torch.strided:
+            return None
+        shape = tuple(t.shape)
+        stride = t.stride()
+        if not all(type(n) is int for n in shape + stride):
+            return None  # symbolic sizes
+        value: Any = None
+        if type(t) is FakeTensor:
+            if t.constant is not None:
+                value = _tensor_bytes(t.constant)
+        elif type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+            if t.numel() <= _MAX_VALUE_NUMEL:
+                value = _tensor_bytes(t)
+        else:
+            return None  # a subclass: its ops are its own
+        return ("tensor", type(t), shape, stride, t.storage_offset(), t.dtype, t.device,
+                t.is_conj(), t.is_neg(), t.requires_grad, t.is_inference(), value)
+    except Exception:  # noqa: BLE001 - an unreadable tensor is not keyed
+        return None
+
+
+def _value_key(values: Mapping[str, Any], name: str) -> Any:
+    if name not in values:
+        return ("missing",)  # the replay fails (KeyError) and is not cached
+    value = values[name]
+    if isinstance(value, torch.Tensor):
+        return _tensor_key(value)
+    try:
+        return _constant_key(value)
+    except _Unkeyable:
+        return None
+
+
+def _target_key(node: torch.fx.Node) -> Any:
+    """The key of a call_function target whose behaviour its name fixes."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        if target.namespace in _OP_NAMESPACES:
+            return ("op", target.name())
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        if target._qualified_op_name.split("::")[0] in _OP_NAMESPACES:
+            return ("packet", target._qualified_op_name)
+    elif target is rng.dropout or target is rng.native_dropout:
+        return ("rng", target.__name__)
+    elif target is rng.seeded:
+        op = node.args[0] if node.args else None
+        if isinstance(op, str) and (op.startswith("py:torch.")
+                                    or op.split(".")[0] in _OP_NAMESPACES):
+            return ("rng", "seeded")
+    elif target in _REGION_CALLS:
+        return ("mode", _REGION_CALLS[target])
+    elif target in _BUILTINS:
+        return ("builtins", target.__name__)
+    elif getattr(target, "__module__", None) in ("_operator", "math") and getattr(
+            operator if target.__module__ == "_operator" else math,
+            getattr(target, "__name__", ""), None) is target:
+        return (target.__module__, target.__name__)
+    raise _Unkeyable(target)
+
+
+def _unit_key(unit: UnitProgram) -> _Keyed | None:
+    """A unit program's computation, node by node; None unless every call in it is fixed
+    by its name (see MemoryModel._replay_key)."""
+    module = unit.module
+    if not isinstance(module, torch.fx.GraphModule) or "forward" in module.__dict__:
+        return None
+    if type(module.graph._codegen) is not torch.fx.graph.CodeGen:
+        return None
+    if any(getattr(module, table) for table in (
+            "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")):
+        return None
+    positions: dict[torch.fx.Node, int] = {}
+    nodes = []
+    try:
+        for node in module.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                target: Any = node.target
+            elif node.op == "call_method" and type(node.target) is str:
+                target = node.target
+            elif node.op == "get_attr":
+                obj: Any = module
+                for part in node.target.split("."):
+                    obj = getattr(obj, part)
+                target = (node.target, _tensor_key(obj) if isinstance(obj, torch.Tensor)
+                          else None)
+                if target[1] is None:
+                    return None  # a submodule, a user object: not keyable
+            elif node.op == "call_function":
+                target = _target_key(node)
+            else:
+                return None  # call_module: a user's module
+            nodes.append((node.op, target, _constant_key(node.args, positions),
+                          _constant_key(node.kwargs, positions)))
+            positions[node] = len(positions)
+    except Exception:  # noqa: BLE001 - _Unkeyable, an unhashable target: not keyed
+        return None
+    return _Keyed((tuple(nodes), unit.inputs, unit.state, unit.outputs, unit.needs_device,
+                   unit.needs_rng))
+
+
+_MODULE_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                 "_global_backward_hooks", "_global_backward_pre_hooks",
+                 "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
+
+
+def _thread_modes() -> tuple[Any, ...] | None:
+    """The modes of this thread the replay runs under; None when some are not keyable."""
+    if (torch._C._is_any_autocast_enabled() or _get_current_dispatch_mode_stack()
+            or _get_current_function_mode_stack()
+            or any(getattr(nn_module, h, None) for h in _MODULE_HOOKS)):
+        return None
+    return (torch.get_default_dtype(), torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled())
 
 
 def build_memory_model(program: ModelProgram, state_tensors: Mapping[str, torch.Tensor],
