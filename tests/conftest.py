@@ -22,7 +22,17 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/models.py
 gc.set_threshold(700, 10, 100)
 
 
+# Files with the longest tests (child processes, module fixtures of 10-30 s) run first:
+# with --dist worksteal the end of the run is then short tests that idle workers take
+# over, not one worker finishing a 30 s launch alone.  Order within a file is kept.
+_LONG_FIRST = ("test_data_parallel.py", "test_backend.py", "test_bench_smoke.py",
+               "test_example.py", "test_hf_trainer.py", "test_property_invariance.py",
+               "test_compile_units.py", "test_faults.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none is visible")

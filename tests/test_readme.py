@@ -25,7 +25,8 @@ def test_the_quick_start_installs_torch_roundpipe_and_the_test_tools_then_runs()
     assert 'pip install -e ".[test]"' in lines  # pytest comes with the test extra
     assert any(line.startswith("python examples/train_gpt.py") for line in lines)
     assert os.path.isfile(os.path.join(ROOT, "examples", "train_gpt.py"))
-    assert lines[-1] in ("python -m pytest", "python -m pytest -n 2")
+    assert lines[-1] in ("python -m pytest", "python -m pytest -n 2",
+                         "python -m pytest -n 3 --dist worksteal")
 
 
 def test_ci_runs_the_readme_block():
