@@ -58,10 +58,10 @@ TIMEOUT_S = 240.0
 _FIXED_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH_", "PYTORCH_")
 
 
-def _env() -> dict[str, str]:
-    """The test process's environment with this checkout's roundpipe first."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+def _env(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with this checkout's roundpipe first."""
+    return {**environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (ROOT, environ.get("PYTHONPATH")) if p)}
 
 
 SERVER = r"""
@@ -258,6 +258,9 @@ class ForkServer:
 
     def __init__(self, use_fork: bool | None = None) -> None:
         self.use_fork = hasattr(os, "fork") if use_fork is None else use_fork
+        # The environment as the session started: a variable a test sets (monkeypatch)
+        # before the server's first use must not reach every later child.
+        self._environ = dict(os.environ)
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._started: dict[int, int] = {}  # request id -> pid
@@ -271,7 +274,7 @@ class ForkServer:
     def _server(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT,
-                                          env=_env(), stdin=subprocess.PIPE,
+                                          env=_env(self._environ), stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE)
             self._buf = b""
         return self._proc
@@ -339,7 +342,7 @@ class ForkServer:
         deadline = time.monotonic() + timeout
         self.children += 1
         if not self.use_fork:
-            full = _env()
+            full = _env(self._environ)
             full.update(env)
             for key in unset:
                 full.pop(key, None)
