@@ -569,6 +569,12 @@ class JobRunner:
                 param_hooks.refuse_hooked_loss_reads(
                     {s: leaf for s, leaf in read if leaf is self.ex.host.tensors[s]},
                     {s: self.ex.host.specs[s].fqn for s in joins})
+            if read:  # the leaves torch.autograd.grad will take, named for the message
+                param_hooks.refuse_leaf_multi_grad_hooks(
+                    [("the model output loss_fn gets", leaf) for _, leaf in out_leaves]
+                    + [("the label", leaf) for _, leaf in label_leaves]
+                    + [(f"parameter {self.ex.host.specs[s].fqn!r}", leaf) for s, leaf in read]
+                    + [("a tensor of loss_fn's own", leaf) for leaf in others])
         if mb == call.num_mb - 1 and call.on_losses is not None:
             self._losses_in(loss, mb)
         acc: dict[str, torch.Tensor] = {}
@@ -586,12 +592,18 @@ class JobRunner:
                 # loss_fn read parameters: their part of the gradient is held by the call
                 # (joined into the unit reading them, or committed at the end), never
                 # accumulated on .grad now, so a call that fails later changes nothing.
+                # One pass over loss_fn's graph, as eager's backward: a hook on an
+                # intermediate runs once (a second pass for loss_fn's own leaves ran it
+                # twice); those leaves' gradients are then added as autograd adds them.
                 inputs = ([leaf for _, leaf in out_leaves] + [leaf for _, leaf in label_leaves]
-                          + [a for _, a in aliases] + [leaf for _, leaf in read])
-                got = list(torch.autograd.grad(loss, inputs, allow_unused=True,
-                                               retain_graph=bool(others)))
-                if others:  # tensors of loss_fn's own (not the pipe's): as autograd does
-                    torch.autograd.backward(loss, inputs=others)
+                          + [a for _, a in aliases] + [leaf for _, leaf in read] + others)
+                got = list(torch.autograd.grad(loss, inputs, allow_unused=True))
+                if others:  # tensors of loss_fn's own (not the pipe's)
+                    param_hooks.accumulate_as_autograd(others, got[len(got) - len(others):])
+                # on the output and label leaves, as loss.backward() leaves it (what
+                # out.retain_grad() in loss_fn reads, as in eager)
+                for (_, leaf), g in zip([*out_leaves, *label_leaves], got):
+                    leaf.grad = g
                 for (name, _), g in zip(out_leaves, got):
                     if g is not None:
                         self._add_grad(mb, name, g, acc)

@@ -233,6 +233,70 @@ def loss_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
     return leaves
 
 
+def _multi_grad_hook_fn(hook: Hook) -> Hook | None:
+    """The user's function behind ``hook`` when ``hook`` is one of the per-tensor hooks
+    ``torch.autograd.graph.register_multi_grad_hook(..., mode="all")`` registers (they
+    ask the engine about every tensor's node when the first of them runs), else None."""
+    if (getattr(hook, "__module__", None) != "torch.autograd.graph"
+            or "register_multi_grad_hook" not in getattr(hook, "__qualname__", "")):
+        return None
+    code = getattr(hook, "__code__", None)
+    cells = getattr(hook, "__closure__", None) or ()
+    if code is None or "fn" not in code.co_freevars:
+        return hook
+    try:
+        return cells[code.co_freevars.index("fn")].cell_contents
+    except (IndexError, ValueError):  # an empty cell
+        return hook
+
+
+def refuse_leaf_multi_grad_hooks(leaves: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """A ``register_multi_grad_hook`` (mode "all") over one of ``leaves`` ((what it is,
+    a leaf of ``loss_fn``'s graph)), when the fused tail takes ``loss_fn``'s gradients
+    with ``torch.autograd.grad`` (it read a parameter of the pipe's model): the hook
+    would fail in torch ("a leaf node was passed to _will_engine_execute_node") after
+    the hooks before it ran.  Refused before that backward: the call commits nothing."""
+    for what, leaf in leaves:
+        for hook in tensor_hooks(leaf):
+            fn = _multi_grad_hook_fn(hook)
+            if fn is None:
+                continue
+            name = getattr(fn, "__qualname__", None) or repr(fn)
+            raise LossError(
+                f"torch.autograd.graph.register_multi_grad_hook(..., {name}) is registered "
+                f"over {what}, a leaf of loss_fn's graph (the model output loss_fn gets "
+                "is a leaf there, as are the label and loss_fn's own tensors that "
+                "require grad), and loss_fn reads a parameter of the pipe's model: "
+                "roundpipe then takes loss_fn's gradients with torch.autograd.grad, "
+                "under which torch cannot run a multi-grad hook over a leaf. Nothing was "
+                "committed. Register the hook over tensors loss_fn computes (out * 1 for "
+                "the output), use mode=\"any\", or read the parameter inside the "
+                "model's forward")
+
+
+def accumulate_as_autograd(leaves: Sequence[torch.Tensor],
+                           grads: Sequence[torch.Tensor | None]) -> None:
+    """What ``loss.backward()`` does at each of ``leaves`` (tensors of ``loss_fn``'s own),
+    given its gradient from ``torch.autograd.grad`` (which ran the leaf's tensor hooks
+    as it took it): add it to ``.grad`` as AccumulateGrad adds (a fresh tensor laid out
+    as the leaf, or in place), then run the leaf's post-accumulate-grad hooks."""
+    for leaf, grad in zip(leaves, grads):
+        if grad is None:
+            continue
+        with torch.no_grad():
+            current = leaf.grad
+            if current is None:  # never aliases what autograd or a hook returned
+                leaf.grad = (grad.clone() if grad.layout != torch.strided else
+                             torch.empty_like(leaf, memory_format=torch.preserve_format)
+                             .copy_(grad))
+            elif current.layout != torch.strided and grad.layout == torch.strided:
+                leaf.grad = grad + current
+            else:
+                current += grad
+        for hook in post_accumulate_hooks(leaf):
+            hook(leaf)
+
+
 def refuse_hooked_loss_reads(read: Mapping[str, torch.Tensor],
                              names: Mapping[str, str]) -> None:
     """A hooked parameter of ``names`` (slot -> name) among ``read`` (the parameters
