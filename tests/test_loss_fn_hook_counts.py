@@ -116,6 +116,12 @@ def install(model: Net, own: torch.Tensor, kinds: tuple[str, ...], log: list,
         own.register_hook(lambda g: log.append(("own", g.clone())) or g * 0.5)
         own.register_post_accumulate_grad_hook(lambda p: log.append(("own_post",
                                                                      p.grad.clone())))
+    if "own_node" in kinds:  # on its AccumulateGrad node (kept alive with the leaf)
+        own.node = torch.autograd.graph.get_gradient_edge(own).node
+        own.node.register_prehook(lambda go: log.append(("acc_pre", _grads(go))))
+        own.node.register_hook(lambda gi, go: log.append(("acc_post", _grads(go))))
+        own.register_post_accumulate_grad_hook(lambda p: log.append(("own_post",
+                                                                     p.grad.clone())))
     if "param_hooks" in kinds:
         model.temp.register_hook(lambda g: log.append(("temp", g.clone())) or g * g.abs())
         model.blocks[2].weight.register_hook(
@@ -209,6 +215,16 @@ def test_hook_on_loss_fn_intermediate_runs_once(kind, masters):
     kinds = (kind,)
     assert_like_eager(run_pipe("param+own", kinds, 3, masters),
                       run_eager("param+own", kinds, 3, masters))
+
+
+@pytest.mark.parametrize("mb", [1, 3])
+def test_hooks_on_the_accumulate_grad_node_of_loss_fn_own_leaf(mb):
+    """Hooks on the AccumulateGrad node of loss_fn's own leaf (no tensor hooks on it):
+    the leaf's gradient is added by that node, run by autograd, so they run as in eager
+    (a first version of the single pass added the gradient itself and skipped them)."""
+    kinds = ("own_node", "tensor")
+    assert_like_eager(run_pipe("param+own", kinds, mb, False),
+                      run_eager("param+own", kinds, mb, False))
 
 
 ALL = ("out", "retain_out", "tensor", "tensor_mod", "retain", "node", "multi_all", "multi_any",

@@ -277,11 +277,22 @@ def refuse_leaf_multi_grad_hooks(leaves: Sequence[tuple[str, torch.Tensor]]) -> 
 def accumulate_as_autograd(leaves: Sequence[torch.Tensor],
                            grads: Sequence[torch.Tensor | None]) -> None:
     """What ``loss.backward()`` does at each of ``leaves`` (tensors of ``loss_fn``'s own),
-    given its gradient from ``torch.autograd.grad`` (which ran the leaf's tensor hooks
-    as it took it): add it to ``.grad`` as AccumulateGrad adds (a fresh tensor laid out
-    as the leaf, or in place), then run the leaf's post-accumulate-grad hooks."""
+    given the gradient ``torch.autograd.grad`` took for it (running its tensor hooks).
+
+    A leaf without tensor hooks gets its gradient from autograd's own AccumulateGrad
+    node, run by a backward rooted there: the hooks on that node, the addition to
+    ``.grad`` and the post-accumulate-grad hooks, as eager runs them.  That node would
+    run the tensor hooks a second time, so a leaf with tensor hooks has its gradient
+    added here as AccumulateGrad adds it (a fresh tensor laid out as the leaf, or in
+    place), then its post-accumulate-grad hooks run; hooks registered on its
+    AccumulateGrad node itself (``get_gradient_edge(t).node``) do not run then."""
+    edges, roots = [], []
     for leaf, grad in zip(leaves, grads):
         if grad is None:
+            continue
+        if not tensor_hooks(leaf):
+            edges.append(torch.autograd.graph.get_gradient_edge(leaf))
+            roots.append(grad)
             continue
         with torch.no_grad():
             current = leaf.grad
@@ -295,6 +306,8 @@ def accumulate_as_autograd(leaves: Sequence[torch.Tensor],
                 current += grad
         for hook in post_accumulate_hooks(leaf):
             hook(leaf)
+    if edges:
+        torch.autograd.backward(edges, roots)
 
 
 def refuse_hooked_loss_reads(read: Mapping[str, torch.Tensor],
