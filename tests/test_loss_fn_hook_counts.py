@@ -15,8 +15,8 @@ keeps its gradient as ``loss.backward()`` leaves it.
 The class: tensor hooks that count or return a new gradient, ``retain_grad`` (on an
 intermediate, on the output), Node pre and post hooks, ``register_multi_grad_hook``
 ("all" and "any"), hooks on the model output ``loss_fn`` gets, tensor and post-accumulate-grad hooks on ``loss_fn``'s own leaf, hooked
-parameters of the pipe, x ``loss_fn`` reading the output only / a pipe parameter / its own
-leaf / both, x 1 and 3 microbatches, x ``optim_dtype`` masters or none; 1 and 3 devices
+parameters of the pipe, x ``loss_fn`` reading the output only / a pipe parameter (also
+through a custom autograd Function) / its own leaf / both, x 1 and 3 microbatches, x ``optim_dtype`` masters or none; 1 and 3 devices
 bitwise equal.  A multi-grad hook over a leaf of ``loss_fn``'s graph, which torch cannot
 run under ``torch.autograd.grad``, is refused before the backward with nothing changed."""
 
@@ -302,3 +302,52 @@ def test_multi_grad_hook_over_a_leaf_is_refused_with_nothing_changed(over):
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n, **TOL)
     torch.testing.assert_close(own.grad, ref_own.grad, **TOL)
+
+
+class _Square(torch.autograd.Function):
+    """A read of a parameter no torch function mode sees (apply is not a torch function)."""
+
+    @staticmethod
+    def forward(ctx, p):
+        ctx.save_for_backward(p)
+        return (p * p).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (p,) = ctx.saved_tensors
+        return 2 * g * p
+
+
+@pytest.mark.parametrize("masters", [False, True])
+def test_parameter_read_through_a_custom_function(masters):
+    """The pipe parameter reached through a custom autograd Function (found as a leaf of
+    loss_fn's graph, no alias), with a leaf of loss_fn's own: one pass too."""
+    def run(pipe_it: bool):
+        model, own, x, y = make()
+        log: list = []
+
+        def loss_fn(out, t):
+            h = torch.sin(out @ own) + 1e-2 * _Square.apply(model.blocks[1].weight)
+            h.register_hook(lambda g: log.append(("tensor", g.clone())))
+            return ((h - t) ** 2).sum()
+        if not pipe_it:
+            for xs, ys in zip(x.tensor_split(3), y.tensor_split(3)):
+                loss_fn(model(xs), ys).backward()
+            return {**{n: p.grad for n, p in model.named_parameters()}, "own": own.grad}, log
+        with RoundPipe(model, devices=["cpu"] * 3,
+                       optim_dtype=torch.float64 if masters else None,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+            pipe.forward_backward((x,), label=y, loss_fn=loss_fn)
+            pipe.synchronize()
+            return {**{n: None if p.grad is None else p.grad.clone()
+                       for n, p in pipe.optim_named_parameters()}, "own": own.grad}, log
+    (got, got_log), (want, want_log) = run(True), run(False)
+    assert got.keys() == want.keys()
+    for n in got:
+        assert (got[n] is None) == (want[n] is None), n
+        if want[n] is not None:
+            torch.testing.assert_close(got[n], want[n], msg=n, **TOL)
+    assert want["temp"] is None and want["own"] is not None
+    assert len(got_log) == len(want_log) == 3
+    for (_, a), (_, b) in zip(got_log, want_log):
+        torch.testing.assert_close(a, b, **TOL)
