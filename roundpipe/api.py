@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -130,14 +131,104 @@ def _same_value(now: Any, value: Any) -> bool:
 
 
 def _changed_attributes(model: torch.nn.Module,
-                        attributes: tuple[tuple[torch.nn.Module, str, Any], ...]
-                        ) -> Iterator[str]:
+                        attributes: tuple[tuple[torch.nn.Module, str, Any], ...],
+                        tensors: tuple[tuple[torch.nn.Module, str, torch.Tensor, Any], ...]
+                        ) -> Iterator[tuple[str, bool]]:
+    """What changed, and whether it is a tensor."""
     paths = {id(m): p for p, m in model.named_modules()}
+
+    def where(m: torch.nn.Module, name: str) -> str:
+        path = paths.get(id(m), "?")
+        return f"{path + '.' if path else ''}{name}"
+
     for m, name, value in attributes:
         now = getattr(m, name, None)
         if not _same_value(now, value):
-            path = paths.get(id(m), "?")
-            yield f"{path + '.' if path else ''}{name} ({value!r} -> {now!r})"
+            yield f"{where(m, name)} ({value!r} -> {now!r})", False
+    for m, name, tensor, version in tensors:
+        if m.__dict__.get(name) is not tensor:
+            yield f"{where(m, name)} (rebound to another tensor)", True
+        elif version is not None and tensor._version != version:
+            yield f"{where(m, name)} (a tensor, written in place)", True
+
+
+# A plain tensor attribute (in a module's __dict__: not a parameter or buffer) the traced
+# code read is a constant of the program: a constant slot uploaded at every call, or
+# values Python read while tracing (self.t.tolist(), a branch on self.t.sum()) baked into
+# the graph, which no later upload can change.  So the program is keyed on the object and
+# on its version counter, taken after tracing (a forward that builds its cache while
+# traced keeps that object: the program never runs the forward's Python again), and a
+# rebinding or an in-place write traces again, as a changed plain value does.  Refreshing
+# the slot with the new tensor instead would save the trace but is exact only where no
+# value was baked, which nothing here can tell.  A tensor sharing memory with a parameter
+# or buffer (a view of one, an alias such as transformers' original_inv_freq) is keyed on
+# identity alone: optimizer steps and buffer writes move its version at every call (an
+# inference tensor has no version to key on either).
+_TensorKey = tuple  # (module, attribute, the object it held, its version or None)
+
+
+def _tensor_attributes(reads: Iterable[tuple[torch.nn.Module, str]], model: torch.nn.Module
+                       ) -> tuple[_TensorKey, ...]:
+    keyed = [(m, name) for m, name in reads if isinstance(m.__dict__.get(name), torch.Tensor)
+             and not isinstance(m.__dict__[name], torch.nn.Parameter)]
+    if not keyed:
+        return ()
+    state = _state_storages(model)
+    return tuple(_tensor_key(m, name, state) for m, name in keyed)
+
+
+def _state_storages(model: torch.nn.Module) -> set[int]:
+    return {_storage(t) for t in itertools.chain(model.parameters(), model.buffers())}
+
+
+def _tensor_key(m: torch.nn.Module, name: str, state: set[int]) -> _TensorKey:
+    value = m.__dict__.get(name)
+    shared = not isinstance(value, torch.Tensor) or _storage(value) in state
+    return m, name, value, None if shared else _tensor_version(value)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr() or -id(tensor)  # (empty: no memory)
+    except (RuntimeError, NotImplementedError):  # a fake or meta tensor
+        return -id(tensor)
+
+
+def _same_tensors(tensors: tuple[_TensorKey, ...]) -> bool:
+    """Whether the tensor attributes a program read are the same objects, unwritten."""
+    for m, name, tensor, version in tensors:
+        if m.__dict__.get(name) is not tensor or (
+                version is not None and tensor._version != version):
+            return False
+    return True
+
+
+def _refresh_tensor_keys(programs: list[CompiledProgram], current: dict[tuple[int, int], bool],
+                         model: torch.nn.Module) -> None:
+    """After a trace: the tensor attributes that ``current`` says were up to date for a
+    program before it and are not now were changed by the trace itself.  Tracing runs the
+    model's forward for real (before the torch.fx fallback, to record opaque modules):
+    the attributes it builds are bound again (each program holds the value its own
+    forward built, which eager builds at every call), and the tensors it writes are put
+    back with ``copy_`` (a new version, the same values).  Without this, programs of two
+    shapes or grad modes would trace again in turn."""
+    state: set[int] | None = None
+    for e in programs:
+        if not e.tensors or _same_tensors(e.tensors):
+            continue
+        if state is None:
+            state = _state_storages(model)
+        e.tensors = tuple(_tensor_key(k[0], k[1], state)
+                          if current[(id(e), i)] and not _same_tensors((k,)) else k
+                          for i, k in enumerate(e.tensors))
+
+
+def _tensor_version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
 
 class RoundPipe:
     """Train or run ``model`` with dispatch pipeline parallelism.
@@ -512,23 +603,33 @@ class RoundPipe:
         for entry in self._compiled:
             if entry.training == training and entry.modules == modules \
                     and entry.autocast == autocast and entry.grad == grad \
-                    and _same_attributes(entry.attributes) and all(
+                    and _same_attributes(entry.attributes) \
+                    and (not entry.tensors or _same_tensors(entry.tensors)) and all(
                     matches(entry.plan.program.inputs, a, k) for a, k in mbs):
                 self._use_cap(entry, cap, cfg, mbs, full_args, full_kwargs)
                 self._current = entry
                 return entry
         changed = next((c for e in self._compiled if e.modules == modules
-                        for c in _changed_attributes(self.model, e.attributes)), None)
+                        for c in _changed_attributes(self.model, e.attributes, e.tensors)),
+                       None)
         if changed is not None:
             log.warning("roundpipe: %s changed since the call that traced %s: tracing "
                         "again (its value is a constant of the program; a value that "
-                        "changes every call is better passed to forward as a tensor)",
-                        changed, type(self.model).__name__)
+                        "changes every call is better passed to forward as a tensor%s)",
+                        changed[0], type(self.model).__name__,
+                        ", or kept in a buffer written in place (register_buffer(name, "
+                        "tensor, persistent=False), then .copy_(new)), which every call "
+                        "reads" if changed[1] else "")
         # Programs of a module tree or hooks that changed since are not run again (a
-        # hook's id never comes back): dropped, so that adding hooks per step does not
-        # pile programs up; so is the oldest beyond _MAX_PROGRAMS (attribute values).
-        self._compiled = [e for e in self._compiled if e.modules == modules]
+        # hook's id never comes back), nor are those of a tensor written in place since
+        # (its version counter never goes back): dropped, so that adding hooks or
+        # writing a tensor attribute per step does not pile programs up; so is the
+        # oldest beyond _MAX_PROGRAMS (attribute values).
+        self._compiled = [e for e in self._compiled if e.modules == modules and all(
+            v is None or t._version == v for _, _, t, v in e.tensors)]
         del self._compiled[:max(0, len(self._compiled) + 1 - _MAX_PROGRAMS)]
+        current = {(id(e), i): _same_tensors((k,)) for e in self._compiled
+                   for i, k in enumerate(e.tensors)}  # (see _refresh_tensor_keys)
         # Trace one microbatch when it has at least 2 samples (a batch of 1 would be
         # specialised by export); otherwise the whole batch, costs scaled per microbatch.
         first_args, first_kwargs = mbs[0]
@@ -574,10 +675,10 @@ class RoundPipe:
         if self.devices[0].kind == "cuda":  # pragma: no cover - GPU
             pin_host_state(self._state, host, self.pin_memory)
         executor = Executor(plan, host, self.devices, self._landing, self.compile_units)
-        reads = analysis.traced.attribute_reads if analysis.traced is not None else ()
+        reads = tuple((self.model.get_submodule(p), name) for p, name in (
+            analysis.traced.attribute_reads if analysis.traced is not None else ()))
         attributes = tuple((m, name, value) for m, name, value in (
-            (m, name, getattr(m, name, None)) for m, name in
-            ((self.model.get_submodule(p), name) for p, name in reads))
+            (m, name, getattr(m, name, None)) for m, name in reads)
             if type(value) in _PLAIN)  # (an opaque module's recording run may set a tensor)
         entry = CompiledProgram(plan, host, executor, training, analysis, autocast, grad=grad,
                                 modules=modules, attributes=attributes)
@@ -591,6 +692,8 @@ class RoundPipe:
         entry.executors[stage_layout(plan)] = executor
         entry.by_cap[(shapes, cap, cfg.num_microbatch, cfg.recompute_grain)] = (plan, executor)
         self._use_cap(entry, cap, cfg, mbs, full_args, full_kwargs)  # a larger later one
+        entry.tensors = _tensor_attributes(reads, self.model)  # (as compiling left them)
+        _refresh_tensor_keys(self._compiled, current, self.model)
         self._compiled.append(entry)
         self._current = entry
         return entry

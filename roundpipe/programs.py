@@ -54,6 +54,10 @@ class CompiledProgram:
     # (module, attribute, value) of the plain values its code read (trace's
     # attribute_reads): another value makes another program.
     attributes: tuple = ()
+    # (module, attribute, tensor, version) of the plain tensor attributes it read or
+    # holds as constants (trace's attribute_reads): another object, or an in-place write
+    # (a new version), makes another program (see api._tensor_attributes).
+    tensors: tuple = ()
     # Output merge plans by the way calls split the inputs (value -> dim).
     merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
     # Plans (and their executors) by (microbatch shapes, memory cap, num_microbatch,

@@ -109,9 +109,11 @@ class TracedGraph:
     leaves: tuple[str, ...] = ()
     copied: tuple[str, ...] = ()
     tensor_hooks: tuple[str, ...] = ()
-    # (module path, attribute) of the plain Python values (numbers, strings, None) the
-    # model's code read from its modules while traced, for every module of the reading
-    # module's class (copied blocks read nothing): the program holds them as constants.
+    # (module path, attribute) of the plain Python values (numbers, strings, None) and
+    # plain tensors (neither parameters nor buffers) the model's code read from its
+    # modules while traced, for every module of the reading module's class (copied blocks
+    # read nothing), and of the attributes holding a constant slot's tensor: the program
+    # holds them as constants (a tensor as a slot, or its values baked into the graph).
     attribute_reads: tuple[tuple[str, str], ...] = ()
 
 
@@ -167,9 +169,10 @@ def trace(
                                 dynamic=dynamic, share_blocks=share_blocks)
         finally:
             del _ROOT_HOOKS.ids
-        traced = dataclasses.replace(traced, attribute_reads=tuple(
-            (path, name) for path, m in model.named_modules() for cls, name in sorted(
-                reads.classes, key=lambda r: (r[0].__qualname__, r[1])) if type(m) is cls))
+        traced = dataclasses.replace(traced, attribute_reads=tuple(dict.fromkeys(
+            [(path, name) for path, m in model.named_modules() for cls, name in sorted(
+                reads.classes, key=lambda r: (r[0].__qualname__, r[1])) if type(m) is cls]
+            + _constant_holders(model, traced.constants))))
         if hooks_watch.found:
             hooks = "; ".join(k.describe() for k in hooks_watch.found)
             raise ModelError(
@@ -229,6 +232,16 @@ _TORCH_MODULES_DIR = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 _TORCH_MODULE_PY = os.path.join(_TORCH_MODULES_DIR, "module.py")
 
 
+def _constant_holders(model: torch.nn.Module, constants: dict[str, torch.Tensor]
+                      ) -> list[tuple[str, str]]:
+    """(module path, attribute) of every plain attribute holding one of the program's
+    constant tensors (the fx fallback's opaque units read theirs at run time, not while
+    traced; a tensor shared by several modules is held by each)."""
+    ids = {id(t) for t in constants.values()}
+    return [(path, name) for path, m in model.named_modules() for name, value in
+            vars(m).items() if isinstance(value, torch.Tensor) and id(value) in ids]
+
+
 def _reads_for_the_model(filename: str) -> bool:
     """Whether a read from code in ``filename`` is one the traced program holds."""
     if filename.startswith(_TORCH_DIR):
@@ -244,25 +257,34 @@ class _Reads:
 
 @contextlib.contextmanager
 def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[_Reads]:
-    """The plain Python values (``self.scale``, ``self.n_heads``) the model's own code
-    reads from its modules while tracing.  The traced program holds them as constants,
-    so a value changed after the call (``model.block.scale = 2.0``) must make a new
-    program (``RoundPipe`` compares them at every call); it used to keep the old value
-    silently.  ``training`` is keyed apart; reads by torch's module classes count
+    """The plain Python values (``self.scale``, ``self.n_heads``) and plain tensor
+    attributes (``self.mask``, in the module's ``__dict__``: not a parameter or buffer)
+    the model's own code reads from its modules while tracing.  The traced program holds
+    them as constants (a tensor as a constant slot, or its values where Python read them:
+    ``self.t.tolist()``), so a value changed after the call (``model.block.scale = 2.0``,
+    ``model.mask = other``, ``model.mask.mul_(2)``) must make a new program
+    (``RoundPipe`` compares them at every call); it used to keep the old value silently.
+    ``training`` is keyed apart; reads by torch's module classes count
     (``model.drop.p = 0.2`` after a call used to keep the traced p), reads by the rest of
-    torch's and by roundpipe's own code do not."""
+    torch's and by roundpipe's own code do not.  ``instances`` has the plain values'
+    reads only."""
     modules = {id(m) for m in model.modules()}
     found = _Reads(set(), set())
     thread = threading.get_ident()
     getattribute = object.__getattribute__
+    tensor = torch.Tensor
 
     def watched(self: torch.nn.Module, name: str) -> Any:
         value = getattribute(self, name)
-        if (type(value) in _PLAIN_VALUES and name != "training" and not name.startswith("__")
-                and id(self) in modules and threading.get_ident() == thread
+        plain = type(value) in _PLAIN_VALUES
+        if ((plain or isinstance(value, tensor) and name in getattribute(self, "__dict__"))
+                and name != "training"
+                and not name.startswith("__") and id(self) in modules
+                and threading.get_ident() == thread
                 and _reads_for_the_model(sys._getframe(1).f_code.co_filename)):
             found.classes.add((type(self), name))
-            found.instances.add((id(self), name))
+            if plain:
+                found.instances.add((id(self), name))
         return value
 
     torch.nn.Module.__getattribute__ = watched  # type: ignore[method-assign]
