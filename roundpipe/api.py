@@ -65,6 +65,16 @@ log = logging.getLogger(__name__)
 
 
 
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (NaNs and signed zeros included)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.is_sparse or b.is_sparse:
+        return False
+    a, b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() \
         and a.storage_offset() == b.storage_offset() and a.shape == b.shape
@@ -1804,9 +1814,8 @@ class RoundPipe:
 
     def _load_state_dict(self, state_dict: dict[str, Any], strict: bool) -> Any:
         def load() -> Any:
-            result = self.model.load_state_dict(state_dict, strict=strict)
-            self._state.load_masters({n: state_dict[n] for n, _ in
-                                      self.model.named_parameters() if n in state_dict})
+            result, values = self._load_into_model(state_dict, strict)
+            self._state.load_masters(values)
             meta = (getattr(state_dict, "_metadata", None) or {}).get("roundpipe") or {}
             self._calls = int(meta.get("calls", self._calls))
             self.seed = int(meta.get("seed", self.seed))
@@ -1827,6 +1836,51 @@ class RoundPipe:
         # On the optimizer thread: an interrupt cannot leave weights half loaded or
         # fences half open.
         return self._optimizer.run(load)
+
+    def _load_into_model(self, state_dict: dict[str, Any], strict: bool
+                         ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """``model.load_state_dict`` with the value each parameter ends with, for its
+        master: the model's load-state-dict pre hooks, ``_load_from_state_dict``
+        overrides and post hooks may rename, convert or rewrite values, so the raw
+        ``state_dict[name]`` is not what eager's model holds.  Each parameter's value is
+        read as its module's loader copies it (a pre hook of ours, registered after the
+        user's, so it sees their result) and kept at its full precision where the
+        parameter holds exactly that value cast to its dtype; where the parameter holds
+        something else (a post hook or an override rewrote it) its own value is taken."""
+        if not self._state.has_masters:
+            return self.model.load_state_dict(state_dict, strict=strict), {}
+        params = {id(p): p for p in self.model.parameters()}
+        loaded: dict[int, torch.Tensor] = {}  # last value the loader saw, per parameter
+
+        def capture(own: list[tuple[str, torch.Tensor]], sd: dict[str, Any], prefix: str,
+                    *_: Any) -> None:
+            for name, param in own:
+                value = sd.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    loaded[id(param)] = value
+                else:
+                    loaded.pop(id(param), None)
+
+        handles = []
+        try:
+            for module in self.model.modules():
+                own = list(module.named_parameters(recurse=False))
+                if own:
+                    handles.append(module._register_load_state_dict_pre_hook(
+                        functools.partial(capture, own)))
+            versions = {k: p._version for k, p in params.items()}
+            result = self.model.load_state_dict(state_dict, strict=strict)
+        finally:
+            for handle in handles:
+                handle.remove()
+        values: dict[str, torch.Tensor] = {}
+        for name, param in self.model.named_parameters():
+            value = loaded.get(id(param))
+            if value is not None and _bitwise_equal(value.detach().to(param.dtype), param):
+                values[name] = value.detach()  # at the precision it was given
+            elif value is not None or param._version != versions[id(param)]:
+                values[name] = param.detach()  # rewritten after the copy
+        return result, values
 
     def _check_schedule(self, state_dict: dict[str, Any]) -> None:
         """Refuse a resume whose remaining steps would follow another schedule than the
