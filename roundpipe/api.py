@@ -10,6 +10,7 @@ import inspect
 import itertools
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -129,6 +130,23 @@ def _covering(estimated: Iterable[tuple], shapes: tuple) -> tuple | None:
 def _shapes(tag: Any, flat: Sequence[Any]) -> tuple:
     return (tag,) + tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None
                           for x in flat)
+
+
+def _held_state(model: torch.nn.Module) -> tuple[list, list, list]:
+    """(tables, names, tensors) of every parameter and buffer of ``model``'s modules: the
+    tables are the modules' own ``_parameters``/``_buffers`` dicts, so that a rebinding
+    shows as ``table.get(name) is not tensor``."""
+    tables: list[dict] = []
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    tables.append(table)
+                    names.append(name)
+                    tensors.append(t)
+    return tables, names, tensors
 
 
 def _same_attributes(attributes: tuple[tuple[torch.nn.Module, str, Any], ...]) -> bool:
@@ -468,6 +486,8 @@ class RoundPipe:
         self._state.landed.serial = self._optimizer.run
         self._state.landed.on_step_thread = lambda: self._optimizer.on_worker
         self._current: CompiledProgram | None = None
+        # The model's parameters and buffers as the programs hold them (_check_rebound).
+        self._held: tuple[list, list, list] | None = None
         self._calls = 0
         self._loading = 0  # depth of pipe.loading() blocks
         self._stats: RunStats | None = None
@@ -604,9 +624,59 @@ class RoundPipe:
                 push(reversed([x for x in children.values() if x is not None]))
         return tuple(training), tuple(key)
 
+    def _check_rebound(self) -> None:
+        """Programs hold the model's parameters and buffers by object (their host state,
+        and without masters the tensors gradients land in and the optimizer updates), so
+        one rebound since (``m.buf = t``, ``m.weight = nn.Parameter(...)``,
+        ``load_state_dict(sd, assign=True)``) used to keep the old tensor silently.  One
+        pass over them at every call; a change drops the programs (the next traces on
+        the model as it is now), or is refused where masters or the disk tier hold the
+        old parameter's state (``_take_parameters``)."""
+        held = self._held
+        if held is None or all(map(operator.is_, map(dict.get, held[0], held[1]), held[2])):
+            return
+        paths = {id(t): p for p, m in self.model.named_modules()
+                 for t in (m._parameters, m._buffers)}
+        changed = [f"{paths[id(t)] + '.' if paths.get(id(t)) else ''}{n}"
+                   for t, n, v in zip(*held) if t.get(n) is not v]
+        self._take_parameters()
+        if self._compiled:
+            log.warning("roundpipe: %s of %s rebound to another tensor since the call that "
+                        "traced it: tracing again (its programs held the old tensor; new "
+                        "values written in place, with torch.no_grad(): t.copy_(new), need "
+                        "no trace)", ", ".join(changed[:3])
+                        + (f" (and {len(changed) - 3} more)" if changed[3:] else ""),
+                        type(self.model).__name__)
+            self._compiled = []
+        self._held = None
+
+    def _take_parameters(self) -> None:
+        """Hold the model's parameters as they are now, before a trace: rebound, or a
+        submodule replaced (the module key traces again, and gradients used to land in
+        the old parameters)."""
+        state = self._state
+        names = state.rebound()
+        if not names:
+            return
+        if state.has_masters or state.offload is not None:
+            why = ("optim_dtype, the optimizer steps masters copied from the old tensor"
+                   if state.has_masters else
+                   "offload_dir, the disk tier holds the old tensor's optimizer state")
+            raise ModelError(
+                f"parameter {names[0]!r}{f' (and {len(names) - 1} more)' if names[1:] else ''}"
+                f" of {type(self.model).__name__} is another object than when this "
+                "RoundPipe was made (rebound: m.weight = nn.Parameter(...), "
+                "load_state_dict(sd, assign=True), a submodule with parameters replaced, "
+                f"or one removed); with {why}, which the new one cannot take over exactly. "
+                "Put the original parameter back and load new values with "
+                "pipe.load_state_dict(...), or make a new RoundPipe over the model as it "
+                "is now")
+        state.take_parameters()
+
     def _compiled_for(self, mbs: list[tuple[tuple[Any, ...], dict[str, Any]]],
                       full_args: tuple[Any, ...], full_kwargs: dict[str, Any],
                       cfg: ResolvedRunConfig, grad: bool = True) -> CompiledProgram:
+        self._check_rebound()
         training, modules = self._model_key()
         autocast = self._autocast()
         cap = self._memory_cap(cfg)
@@ -637,6 +707,7 @@ class RoundPipe:
         # oldest beyond _MAX_PROGRAMS (attribute values).
         self._compiled = [e for e in self._compiled if e.modules == modules and all(
             v is None or t._version == v for _, _, t, v in e.tensors)]
+        self._take_parameters()
         del self._compiled[:max(0, len(self._compiled) + 1 - _MAX_PROGRAMS)]
         current = {(id(e), i): _same_tensors((k,)) for e in self._compiled
                    for i, k in enumerate(e.tensors)}  # (see _refresh_tensor_keys)
@@ -704,6 +775,7 @@ class RoundPipe:
         self._use_cap(entry, cap, cfg, mbs, full_args, full_kwargs)  # a larger later one
         entry.tensors = _tensor_attributes(reads, self.model)  # (as compiling left them)
         _refresh_tensor_keys(self._compiled, current, self.model)
+        self._held = _held_state(self.model)  # (as tracing left them)
         self._compiled.append(entry)
         self._current = entry
         return entry

@@ -234,6 +234,22 @@ class ModelState:
     def masters(self) -> dict[str, torch.nn.Parameter]:
         return dict(self._masters)
 
+    def rebound(self) -> list[str]:
+        """Names of the model's parameters that are other objects (or gone, or new)
+        than those this state holds: a parameter rebound after the pipe was made
+        (``m.weight = nn.Parameter(...)``, ``load_state_dict(sd, assign=True)``, a
+        submodule replaced)."""
+        now = dict(self.model.named_parameters())
+        return [n for n in dict.fromkeys([*self._params, *now])
+                if self._params.get(n) is not now.get(n)]
+
+    def take_parameters(self) -> None:
+        """Hold the model's parameters as they are now (without masters: they are what
+        the optimizer updates and where gradients land; the old objects keep their
+        ``.grad``, as in eager).  The caller refuses this where masters or the disk
+        tier already hold the old ones."""
+        self._params = dict(self.model.named_parameters())
+
     def mark_dirty(self) -> None:
         self._dirty = True
 

@@ -1,0 +1,191 @@
+"""What a compiled program is keyed on besides its inputs' dtypes and shapes, and what it
+holds: each case here used to run the first call's program (or tensors) silently after
+the model changed between calls, where eager runs the model as it is now.
+
+* A registered parameter or buffer rebound (``m.buf = t``, ``m.head.weight =
+  nn.Parameter(...)``, ``load_state_dict(sd, assign=True)``, a submodule replaced): the
+  programs held the old tensors (losses 0.48 / 0.013 / 0.12 off in float64), and
+  gradients landed in the old parameter after a submodule was replaced."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import roundpipe.api as rp_api
+from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe.errors import ModelError
+
+W = 4
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """How many times roundpipe traced a model."""
+    count = [0]
+    analyze = rp_api.analyze
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return analyze(*args, **kwargs)
+
+    monkeypatch.setattr(rp_api, "analyze", counting)
+    return count
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(W, W) for _ in range(3))
+        self.head = nn.Linear(W, 2)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x) * self.scale
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(6, W, generator=g), torch.randn(6, 2, generator=g)
+
+
+def _rebind(m: Net, how: str, step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    if how == "buffer":
+        m.scale = torch.randn(2, generator=g)
+    elif how == "parameter":
+        m.head.weight = nn.Parameter(torch.randn(2, W, generator=g))
+    elif how == "assign_load":
+        sd = {k: torch.randn(v.shape, generator=g) for k, v in m.state_dict().items()}
+        m.load_state_dict(sd, assign=True)
+    else:  # a submodule with parameters replaced
+        torch.manual_seed(100 + step)
+        m.blocks[1] = nn.Linear(W, W)
+
+
+_HOWS = ["buffer", "parameter", "assign_load", "submodule"]
+
+
+@pytest.mark.parametrize("how", _HOWS)
+def test_forward_backward_uses_rebound_state(how, caplog):
+    """Over 3 SGD steps with a rebinding before steps 1 and 2, against eager's
+    per-microbatch loop; each side makes its optimizer again after a rebinding (the old
+    one holds the old parameter, in eager too).  2 and 1 devices bitwise."""
+    torch.manual_seed(0)
+    eager = Net()
+    models = [copy.deepcopy(eager), copy.deepcopy(eager)]
+    pipes = [RoundPipe(m, devices=["cpu"] * d,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3))
+             for m, d in zip(models, (2, 1))]
+    with caplog.at_level(logging.WARNING, logger="roundpipe.api"):
+        for step in range(3):
+            if step:
+                for m in models + [eager]:
+                    _rebind(m, how, step)
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models + [eager]]
+            x, y = _batch(step)
+            losses = [p.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+                      for p in pipes]
+            want = sum(F.mse_loss(eager(a), b) for a, b in zip(x.chunk(3), y.chunk(3)))
+            want.backward()
+            torch.testing.assert_close(losses[0], want.detach(), rtol=0, atol=1e-10,
+                                       msg=f"step {step}")
+            assert torch.equal(losses[0], losses[1]), step
+            for (n, p), q in zip(models[0].named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10,
+                                           msg=f"{n} step {step}")
+            for p, opt in zip(pipes, opts):
+                p.step(opt)
+                p.synchronize()
+                opt.zero_grad()
+            opts[-1].step()
+            opts[-1].zero_grad()
+    for p in pipes:
+        p.close()
+    for (n, a), b, c in zip(models[0].named_parameters(), eager.parameters(),
+                            models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=n)
+        assert torch.equal(a, c), n
+    if how != "submodule":  # (the module key says that one: logged at INFO)
+        assert "rebound to another tensor" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["buffer", "parameter", "assign_load"])
+def test_pipe_call_uses_rebound_state(how, traces):
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    for step in range(3):
+        if step:
+            _rebind(model, how, step)
+            _rebind(eager, how, step)
+        x, _ = _batch(step)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-10,
+                                       msg=f"step {step}")
+    assert traces[0] == 3
+    with torch.no_grad():  # nothing rebound: the program is kept
+        pipe(x)
+    assert traces[0] == 3
+    pipe.close()
+
+
+@pytest.mark.parametrize("how", ["parameter", "assign_load", "submodule"])
+def test_rebound_parameter_with_masters_is_refused(how):
+    """With optim_dtype the optimizer steps masters copied from the old parameter:
+    refused before anything runs, naming the parameter and the ways out.  A buffer
+    (no master) is taken."""
+    torch.manual_seed(0)
+    model = Net()
+    pipe = RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float64,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    x, y = _batch(0)
+    pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    _rebind(model, how, 1)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    grads = [m.grad.clone() for m in pipe.optim_parameters()]
+    name = {"parameter": "head.weight", "assign_load": "blocks.0.weight",
+            "submodule": "blocks.1.weight"}[how]
+    with pytest.raises(ModelError, match=rf"{name}.*another object.*pipe.load_state_dict"):
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    with pytest.raises(ModelError, match="another object"):
+        with torch.no_grad():
+            pipe(x)
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, before[n]), n
+    for g, m in zip(grads, pipe.optim_parameters()):
+        assert torch.equal(g, m.grad)
+    pipe.close()
+
+
+def test_rebound_buffer_with_masters_is_taken():
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float64,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    for step in range(2):
+        if step:
+            _rebind(model, "buffer", step)
+            _rebind(eager, "buffer", step)
+        x, _ = _batch(step)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-10)
+    pipe.close()
