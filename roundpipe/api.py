@@ -1841,6 +1841,9 @@ class RoundPipe:
         step or load that failed part-way left the state mixed (until a load).
         """
         self._optimizer.wait()
+        if self._state.has_masters and self._state.mixed is None:
+            # the user's writes to the model's weights since the last publish: saved
+            self._optimizer.run(self._state.adopt_edits)
         if self._state.mixed is not None:  # (calls and steps refuse it too)
             raise StepError(f"{self._state.mixed}. A checkpoint now would save that mix: "
                             "nothing was saved")
@@ -1900,6 +1903,7 @@ class RoundPipe:
                 with torch.no_grad():
                     for name, value in published.items():
                         self.model.get_parameter(name).copy_(value)
+                self._state.note_weights()
                 self._state.mark_dirty()
             else:
                 self._optimizer.publish_now()

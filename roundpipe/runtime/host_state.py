@@ -40,6 +40,37 @@ log = logging.getLogger(__name__)
 _WAIT_SLICE_S = 0.05
 
 
+_CHUNK = 1 << 22  # elements rounded at a time when the dtypes differ (8 MiB for bf16)
+
+
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.restype = ctypes.c_int
+_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _same_bits(param: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether the weight holds exactly its master rounded to the weight's dtype: a
+    memcmp of the bytes (torch.equal costs several times more per element), the master
+    rounded chunk by chunk into one reused buffer (a fresh ``.to()`` per parameter costs
+    more than the rounding)."""
+    a, b = param.detach(), master.detach()
+    if a.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()) or \
+            a.is_sparse or b.is_sparse or a.shape != b.shape:
+        return bool(torch.equal(a, b.to(a.dtype)))
+    size = a.element_size()
+    if a.dtype == b.dtype:
+        nbytes = a.numel() * size
+        return nbytes == 0 or _memcmp(a.data_ptr(), b.data_ptr(), nbytes) == 0
+    a, b = a.reshape(-1), b.reshape(-1)
+    buf = torch.empty(min(_CHUNK, a.numel()), dtype=a.dtype)
+    for start in range(0, a.numel(), buf.numel()):
+        n = min(buf.numel(), a.numel() - start)
+        buf[:n].copy_(b[start:start + n])
+        if _memcmp(buf.data_ptr(), a[start:].data_ptr(), n * size) != 0:
+            return False
+    return True
+
+
 class WeightFences:
     """Per-parameter versions of the published weights.
 
@@ -161,6 +192,10 @@ class ModelState:
         # state is loaded.
         self.mixed: str | None = None
         self._params = dict(model.named_parameters())
+        # name -> (data_ptr, version counter) of each mastered weight as roundpipe last
+        # wrote or checked it: a write the user makes through the parameter moves the
+        # counter, a `.data = t` the pointer (see adopt_edits)
+        self._seen: dict[str, tuple[int, int]] = {}
         # Publish order: groups of parameter names, one per layer unit of the program in
         # use (set by HostState), so the first units' fences open first.
         self.publish_groups: list[tuple[str, ...]] = [tuple(self._params)]
@@ -229,7 +264,83 @@ class ModelState:
                 if self.offload is not None:  # to the file; its memory is freed
                     self.offload.register(master_key(name), master, group=name)
                 self._masters[name] = master
+                self._note(name)
         return master
+
+    def _note(self, name: str) -> None:
+        param = self._params[name]
+        self._seen[name] = (param.data_ptr(), param._version)
+
+    def note_weights(self) -> None:
+        """Roundpipe itself wrote the model's weights (a publish, a load): what the
+        user writes from now on is an edit."""
+        for name in self._masters:
+            self._note(name)
+
+    def edited_weights(self, *, by_value: bool) -> list[str]:
+        """Mastered parameters the user wrote since roundpipe last published or checked
+        them: through the parameter (``torch.no_grad(): p.clamp_()``, ``p.copy_()``,
+        ``model.load_state_dict``: its version counter moved), by rebinding its data
+        (``p.data = t``: its pointer moved), or, with ``by_value`` (the weights hold the
+        masters: nothing unpublished, no prediction, masters in memory), through
+        ``p.data`` in place, whose alias has a version counter of its own: the weight no
+        longer equals its master rounded to the model's dtype."""
+        edited = []
+        for name, master in self._masters.items():
+            param = self._params[name]
+            if self._seen.get(name) != (param.data_ptr(), param._version):
+                edited.append(name)
+            elif by_value and not _same_bits(param, master):
+                edited.append(name)
+        return edited
+
+    def adopt_edits(self) -> None:
+        """Before a step, a publish or a checkpoint (optimizer thread): make the masters of
+        the weights the user wrote since the last publish what the user wrote, as eager's
+        optimizer steps from the edited weight (a WGAN clamp, a ``model.load_state_dict``,
+        an EMA swap).  Where the masters hold a step not yet published (or the weights a
+        prediction), the user wrote weights a step old that the publish replaces: the
+        write cannot be applied as eager would, so it is dropped (the masters are
+        published over it) and :class:`StepError` says so, naming the parameters."""
+        if not self.has_masters or not self._masters:
+            return
+        by_value = self.offload is None and not self.dirty
+        edited = self.edited_weights(by_value=by_value)
+        if not edited:
+            return
+        if self.dirty:
+            self.publish(self.fences.schedule())
+            names = ", ".join(edited[:4]) + (" ..." if len(edited) > 4 else "")
+            raise StepError(
+                f"the model's parameter(s) {names} were written while the weights were a "
+                "step behind the masters (the last pipe.step was not published yet): "
+                "that write would be lost at the publish, so it was dropped and nothing "
+                "ran. Call pipe.synchronize() after pipe.step() and before writing the "
+                "model's parameters (the weights are then current), or write the masters "
+                "(pipe.optim_named_parameters()) inside the step function")
+        log.debug("adopting user writes to %s into their masters", edited)
+        with torch.no_grad():
+            for name in edited:
+                # element by element: where the weight still holds its master rounded
+                # to the model's dtype, the master keeps its own precision
+                value = self._params[name].detach()
+                master = (self._masters[name].detach() if self.offload is None
+                          else self.offload.read(master_key(name)))
+                merged = torch.where(value != master.to(value.dtype),
+                                     value.to(master.dtype), master)
+                if self.offload is not None:
+                    self.offload.assign(master_key(name), merged)
+                else:
+                    master.copy_(merged)
+                self._note(name)
+            # a kept start of the last step (weight prediction) would turn the edit
+            # into part of the next prediction's update: the edit starts anew
+            for name in edited:
+                kept = self._previous.get(name)
+                if kept is not None:
+                    kept.copy_(self._masters[name])
+        if self.offload is not None:
+            self.offload.commit()
 
     def masters(self) -> dict[str, torch.nn.Parameter]:
         return dict(self._masters)
@@ -306,6 +417,8 @@ class ModelState:
             self._dirty = False
             self._predicted = extrapolate
             self._history = self._history or keep
+            if write:
+                self.note_weights()
             self.fences.publish_all(version)
 
     def publishing_schedule(self, version: int,
@@ -341,6 +454,7 @@ class ModelState:
                     master = self._masters.get(name)
                     if master is not None:
                         self._params[name].copy_(master)
+                        self._note(name)
                     self.fences.record("publish_end", name, version)
             self.fences.publish(groups[k], version)
 
@@ -616,6 +730,7 @@ class ModelState:
                 try:
                     wait(store.stage(key))
                     param.copy_(master)
+                    self._note(name)
                 finally:
                     store.evict(key)
         self.counters = dict(meta.get("pipe") or {})

@@ -114,6 +114,11 @@ class OptimizerWorker:
         host = self.host
         checked = checked or _Verdict()
         if host.has_masters:
+            try:  # the user's writes to the model's weights since the last publish
+                host.adopt_edits()
+            except StepError as e:
+                checked.event.set()
+                raise _Unchanged(str(e)) from None
             # a backward outside any pipe(x) call left gradients on the model's parameters
             host.fold_outside_grads(host.outside_grads())
             host.publish(version, at_step=True, **(publish or {}))
@@ -182,6 +187,12 @@ class OptimizerWorker:
     def _run_by_unit(self, optimizer: Any, groups: list[dict[str, Any]], version: int,
                      prepared: threading.Event, on_prepared: Callable[[], None]) -> None:
         host = self.host
+        try:  # (nothing is unpublished here: an edit is adopted, never refused)
+            host.adopt_edits()
+        except BaseException:
+            host.fences.publish_all(version)
+            prepared.set()
+            raise
         host.fold_outside_grads(host.outside_grads())
         schedule = host.publishing_schedule(version)
         if host.offload is not None:  # stage each unit around its update and publish
@@ -229,6 +240,11 @@ class OptimizerWorker:
 
     def _run_landing(self, step: Any, version: int) -> None:
         host = self.host
+        try:  # (nothing is unpublished here: an edit is adopted, never refused)
+            host.adopt_edits()
+        except BaseException:
+            host.fences.publish_all(version)
+            raise
         schedule = host.publishing_schedule(version, groups=step.publish_order())
         # the update order's master names (publishing_schedule keeps those with a master)
         schedule = UnitSchedule(host.landed, step.order(), after_unit=schedule._after)
@@ -341,7 +357,10 @@ class OptimizerWorker:
         if self.host.mixed is not None:  # publishing would hand the mix to every call
             raise StepError(self.host.mixed)
         if self.host.has_masters and not self.on_worker:
-            self.run(self.publish_now)
+            def publish() -> None:
+                self.host.adopt_edits()  # the user's writes since the last publish stand
+                self.publish_now()
+            self.run(publish)
 
     def publish_now(self) -> None:
         """Raise the fences' target and publish the masters (on the optimizer thread)."""
