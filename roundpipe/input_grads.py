@@ -6,13 +6,12 @@ model, a frozen encoder's output with grad) or ``y`` (a teacher's output compute
 grad).  ``forward_backward`` runs the model and ``loss_fn`` on device threads, where an
 input or label is a fresh leaf of its uploaded copy (no backward ever runs on the
 caller's graph from a device thread); the executor returns each microbatch's gradients
-of those leaves, and the caller's thread runs one ``torch.autograd.backward`` into the
-tensors the microbatches read: an input split by the default rule (dim 0) once, with
-its pieces' gradients concatenated (``join_input_grad``, what eager's loop over the
-pieces accumulates); an input every microbatch read whole once, with its microbatch
-gradients summed in microbatch order (as eager's loop accumulates them); the pieces of
-any other split (a ``split_input`` callable, another dim) each, so their own graph
-carries the gradient back to the input.
+of those leaves, and the caller's thread runs one ``torch.autograd.backward`` per
+microbatch, in microbatch order, into the tensors that microbatch read (its piece of a
+split input, an input it read whole, its label), as eager's loop runs one backward per
+microbatch: a hook on an input (or on what computed it) runs once per microbatch and sees
+that microbatch's gradient (through the split: zero outside the microbatch's rows), and
+accumulation into ``.grad`` follows eager's order bitwise.
 
 Where that graph reaches a parameter of the pipe's own model, its gradient lands on that
 parameter (or master) after the pipe's own gradients were committed: the pipe adds it
@@ -28,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .runtime.microbatch import input_path, join_input_grad
+from .runtime.microbatch import input_path
 
 
 @dataclass
@@ -40,8 +39,6 @@ class GradRoots:
     labels: list[dict[int, torch.Tensor]]
     # id(tensor) -> how the user names it (``input_args[0]``, ``label``), for messages
     names: dict[int, str] = field(default_factory=dict)
-    # the tensors the user passed (ids): a default split's gradient goes to them whole
-    given: frozenset[int] = frozenset()
 
     def __bool__(self) -> bool:
         return any(self.inputs) or any(self.labels)
@@ -75,8 +72,6 @@ def grad_roots(flat: Sequence[Mapping[str, Any]], labels: Sequence[Any],
         return GradRoots(inputs, label_leaves)
     names: dict[int, str] = {}
     args, kwargs, label = user
-    given = frozenset(id(t) for t in pytree.tree_leaves((args, kwargs, label))
-                      if isinstance(t, torch.Tensor))
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
             names.setdefault(id(leaf), input_path(path))
@@ -94,7 +89,7 @@ def grad_roots(flat: Sequence[Mapping[str, Any]], labels: Sequence[Any],
             base = getattr(t, "_base", None)
             names.setdefault(id(t), names.get(id(base), "the label")
                              if base is not None else "the label")
-    return GradRoots(inputs, label_leaves, names, given)
+    return GradRoots(inputs, label_leaves, names)
 
 
 def reached_parameters(roots: GradRoots, targets: Mapping[int, str]
@@ -122,61 +117,31 @@ def reached_parameters(roots: GradRoots, targets: Mapping[int, str]
 
 def send_grads(roots: GradRoots, input_grads: Sequence[Mapping[str, torch.Tensor]] | None,
                label_grads: Sequence[Mapping[int, torch.Tensor]] | None) -> None:
-    """One backward into the roots from their microbatch gradients (see the module
-    docstring); on the calling thread, as eager's ``backward()`` runs."""
-    tensors: list[torch.Tensor] = []
-    grads: list[torch.Tensor] = []
-    where: dict[int, int] = {}
-
-    def add(t: torch.Tensor, g: torch.Tensor | None) -> None:
-        if g is None:
-            return
-        k = where.get(id(t))
-        if k is None:  # (a download of its own: the engine may keep it as .grad)
-            where[id(t)] = len(tensors)
-            tensors.append(t)
-            grads.append(g)
-        else:  # read whole by several microbatches: summed in microbatch order
-            grads[k] = grads[k] + g
-
+    """One backward per microbatch, in microbatch order, into the tensors that
+    microbatch read (see the module docstring); on the calling thread, as eager's
+    ``backward()`` runs.  The graphs are kept until the last microbatch's backward:
+    microbatches share them (the split, an encoder whose output was split)."""
     n = len(roots.inputs)
-    columns: list[tuple[list[Any], list[torch.Tensor | None]]] = []
-    for name in dict.fromkeys(k for mb in roots.inputs for k in mb):
-        columns.append(([mb.get(name) for mb in roots.inputs],
-                        [input_grads[i].get(name) if input_grads else None
-                         for i in range(n)]))
-    for index in dict.fromkeys(k for mb in roots.labels for k in mb):
-        columns.append(([mb.get(index) for mb in roots.labels],
-                        [label_grads[i].get(index) if label_grads else None
-                         for i in range(n)]))
-    for pieces, piece_grads in columns:
-        whole = _split_of(pieces)
-        if whole is not None and id(whole) in roots.given:  # the default split
-            add(whole, join_input_grad(piece_grads, pieces))
-            continue
-        for piece, g in zip(pieces, piece_grads):
-            if piece is not None:
-                add(piece, g)
-    if tensors:
-        torch.autograd.backward(tensors, grads)
-
-
-def _split_of(pieces: Sequence[Any]) -> torch.Tensor | None:
-    """The tensor whose dim-0 ``tensor_split`` the microbatch ``pieces`` are (the
-    default split), or None.  Its gradient is then the pieces' concatenated, sent once
-    (backpropagating through the pieces' views would sum full-size zero-padded copies,
-    one per microbatch); the caller checks it is the tensor the user passed, not a
-    tensor it is a view of."""
-    base = getattr(pieces[0], "_base", None)
-    if len(pieces) < 2 or base is None or not base.requires_grad or any(
-            not isinstance(p, torch.Tensor) or p._base is not base for p in pieces):
-        return None
-    with torch.no_grad():
-        expected = torch.tensor_split(base, len(pieces)) if base.dim() >= 1 else ()
-    if len(expected) != len(pieces):
-        return None
-    for p, e in zip(pieces, expected):
-        if (p.shape != e.shape or p.stride() != e.stride()
-                or p.storage_offset() != e.storage_offset()):
-            return None
-    return base
+    batches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    for i in range(n):
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        where: dict[int, int] = {}
+        pairs = [(t, input_grads[i].get(name) if input_grads else None)
+                 for name, t in roots.inputs[i].items()]
+        pairs += [(t, label_grads[i].get(index) if label_grads else None)
+                  for index, t in roots.labels[i].items()]
+        for t, g in pairs:
+            if g is None:
+                continue
+            k = where.get(id(t))
+            if k is None:  # (a download of its own: the engine may keep it as .grad)
+                where[id(t)] = len(tensors)
+                tensors.append(t)
+                grads.append(g)
+            else:  # one tensor read twice by the microbatch: one backward, summed
+                grads[k] = grads[k] + g
+        if tensors:
+            batches.append((tensors, grads))
+    for k, (tensors, grads) in enumerate(batches):
+        torch.autograd.backward(tensors, grads, retain_graph=k < len(batches) - 1)

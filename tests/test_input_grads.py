@@ -145,22 +145,50 @@ def test_input_gradients_do_not_depend_on_the_device_count():
         assert torch.equal(a, b)
 
 
-def test_the_callers_graph_runs_one_backward_on_the_calling_thread():
-    """Hooks on the caller's tensors (an input split into microbatches, one read whole, a
-    label, a parameter outside) run once per call, on the thread that called: the
-    devices' threads never backpropagate into the caller's graph."""
+def _hooked_run(front: str, devices: int, n: int):
+    """Tensor hooks on the caller's tensors (an input split into microbatches, one read
+    whole, a label, a parameter outside that computed an input, and that input itself),
+    each nonlinear in its gradient (scaled by its norm); returns what each hook saw
+    (name, thread, gradient), the leaves' gradients and the outside parameter's."""
     (x, bias, scale), (xl, bl, sp) = _inputs("leaf", "leaf", "outside")
     torch.manual_seed(3)
     teacher = nn.Linear(4, 2).double()
     label = teacher(x.detach())
     seen = []
-    for name, t in (("x", xl), ("bias", bl), ("scale", sp), ("label", label),
-                    ("teacher", teacher.weight)):
-        t.register_hook(lambda g, name=name: seen.append((name, threading.get_ident())))
-    with _pipe(_net(), 3, 3) as pipe:
-        pipe.forward_backward((x, bias), {"scale": scale}, label=label, loss_fn=_loss)
-    assert sorted(seen) == sorted((n, threading.get_ident())
-                                  for n in ("x", "bias", "scale", "label", "teacher"))
+
+    def hook(g, name):
+        seen.append((name, threading.get_ident(), g.clone()))
+        return g * (1.0 + g.norm())
+
+    for name, t in (("x", xl), ("bias", bl), ("scale_param", sp), ("scale", scale),
+                    ("label", label), ("teacher", teacher.weight)):
+        t.register_hook(lambda g, name=name: hook(g, name))
+    model = _net()
+    if front == "eager":
+        _eager(model, (x, bias), {"scale": scale}, label, n)
+    else:
+        with _pipe(model, devices, n) as pipe:
+            pipe.forward_backward((x, bias), {"scale": scale}, label=label, loss_fn=_loss)
+    return seen, [xl.grad, bl.grad, sp.grad, teacher.weight.grad]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_callers_graph_runs_one_backward_per_microbatch(n):
+    """Hooks on the caller's tensors run once per microbatch, in microbatch order, on the
+    thread that called, each seeing that microbatch's gradient (an input split by the
+    default rule: zero outside the microbatch's rows), as eager's per-microbatch loop;
+    every gradient bitwise eager's, and the same with 1 and 3 devices (one backward over
+    the concatenated gradients ran each hook once per call, on the sum: 2026-11-27)."""
+    want_seen, want = _hooked_run("eager", 1, n)
+    for devices in (1, 3):
+        seen, got = _hooked_run("pipe", devices, n)
+        assert [s[0] for s in seen] == [s[0] for s in want_seen]
+        assert {s[1] for s in seen} == {threading.get_ident()}
+        for (name, _, g), (_, _, w) in zip(seen, want_seen):
+            assert torch.equal(g, w), name
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    assert len(want_seen) == 6 * n
 
 
 def test_a_view_input_keeps_its_own_graph():
@@ -176,6 +204,8 @@ def test_a_view_input_keeps_its_own_graph():
     he = h.detach().clone().requires_grad_()
     ue = he.view(B, 4)
     ue.retain_grad()
+    eager_calls = []
+    ue.register_hook(lambda grad: eager_calls.append(grad.shape))
     _eager(eager, (ue, bias), {"scale": scale}, label, 3)
     u = h.view(B, 4)
     u.retain_grad()
@@ -185,7 +215,7 @@ def test_a_view_input_keeps_its_own_graph():
         pipe.forward_backward((u, bias), {"scale": scale}, label=label, loss_fn=_loss)
     _close(u.grad, ue.grad, "the view's retained .grad")
     _close(h.grad, he.grad, "its base's .grad")
-    assert calls == [torch.Size([B, 4])]
+    assert calls == eager_calls == [torch.Size([B, 4])] * 3  # once per microbatch
 
 
 def test_a_leaf_input_accumulates_over_calls_and_not_under_no_grad():
