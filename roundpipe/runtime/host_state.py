@@ -30,6 +30,7 @@ import torch
 
 from ..errors import OffloadMismatchError, StepError
 from ..plan import ModelProgram, StateSpec
+from . import data_reads
 from .masters import (LandedGrads, Master, UnitSchedule, raw_grad, set_raw_grad,
                       tier_owner_of, tier_param)
 from .offload import (OffloadError, OffloadStore, OffloadWindow, dtype_of, master_key,
@@ -192,10 +193,11 @@ class ModelState:
         # state is loaded.
         self.mixed: str | None = None
         self._params = dict(model.named_parameters())
-        # name -> (data_ptr, version counter) of each mastered weight as roundpipe last
-        # wrote or checked it: a write the user makes through the parameter moves the
-        # counter, a `.data = t` the pointer (see adopt_edits)
-        self._seen: dict[str, tuple[int, int]] = {}
+        # name -> (data_ptr, version counter, data_reads tick) of each mastered weight as
+        # roundpipe last wrote or checked it: a write the user makes through the
+        # parameter moves the counter, a `.data = t` the pointer, and a write through
+        # `p.data` can only follow a `.data` read after the tick (see adopt_edits)
+        self._seen: dict[str, tuple[int, int, int]] = {}
         # Publish order: groups of parameter names, one per layer unit of the program in
         # use (set by HostState), so the first units' fences open first.
         self.publish_groups: list[tuple[str, ...]] = [tuple(self._params)]
@@ -269,7 +271,8 @@ class ModelState:
 
     def _note(self, name: str) -> None:
         param = self._params[name]
-        self._seen[name] = (param.data_ptr(), param._version)
+        data_reads.watch()
+        self._seen[name] = (param.data_ptr(), param._version, data_reads.now())
 
     def note_weights(self) -> None:
         """Roundpipe itself wrote the model's weights (a publish, a load): what the
@@ -284,13 +287,17 @@ class ModelState:
         (``p.data = t``: its pointer moved), or, with ``by_value`` (the weights hold the
         masters: nothing unpublished, no prediction, masters in memory), through
         ``p.data`` in place, whose alias has a version counter of its own: the weight no
-        longer equals its master rounded to the model's dtype."""
+        longer equals its master rounded to the model's dtype.  Only weights whose
+        ``.data`` was taken since are compared (:mod:`.data_reads`): comparing all of
+        them costs several times the step."""
         edited = []
         for name, master in self._masters.items():
             param = self._params[name]
-            if self._seen.get(name) != (param.data_ptr(), param._version):
+            seen = self._seen.get(name)
+            if seen is None or seen[:2] != (param.data_ptr(), param._version):
                 edited.append(name)
-            elif by_value and not _same_bits(param, master):
+            elif by_value and data_reads.taken_since(param, seen[2]) \
+                    and not _same_bits(param, master):
                 edited.append(name)
         return edited
 
