@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .backprop import (GradRequest, attach_backward, refuse_hooks_split_by_microbatches,
+from .backprop import (GradRequest, attach_backward, recompute_reads,
+                       refuse_hooks_split_by_microbatches,
                        refuse_unjoinable_splits)
 from .loss import mark_loss_fn_error, returned_loss, sum_losses
 from .input_grads import GradRoots, grad_roots, reached_parameters, send_grads
@@ -1414,11 +1415,12 @@ class RoundPipe:
             program = entry.plan.program
             params = [(spec.name, entry.host.tensors[spec.name]) for spec in program.state
                       if spec.kind == "parameter"]
+            reread = recompute_reads(program, entry.host.tensors, (tuple(args), dict(kwargs)))
             with torch.enable_grad():
                 return attach_backward(
                     self._backward_runner(entry, result, cfg, keys), program, params,
                     (tuple(args), dict(kwargs)), mbs, columns, merged, build,
-                    masters=self._state.has_masters)
+                    masters=self._state.has_masters, reread=reread)
 
     __call__ = forward
 

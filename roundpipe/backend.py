@@ -47,8 +47,9 @@ from .passes.batching import BatchSplit, analyze_batching, written_buffers
 from .passes.cost import DeviceModel
 from .passes.dynamo import DynamoGraph, Unsupported, from_dynamo
 from .plan import ModelProgram, StagePlan
-from .runtime.call import (GradTarget, PipelinedCall, autocast_state, memory_budget,
-                           microbatch_keys, pipelined)
+from .runtime.call import (GradTarget, PipelinedCall, SavedVersions, autocast_state,
+                           memory_budget, microbatch_keys, pipelined, refuse_modified_since,
+                           saved_versions)
 from .runtime.devices import Device, parse_bytes, resolve_devices
 from .runtime.executor import Executor, RunResult, RunStats
 from .runtime.host_state import WeightFences, fold_unit_grads
@@ -452,7 +453,7 @@ class _Call(PipelinedCall):
         self.pieces: dict[int, list[Any]] = {}  # output column -> its microbatch values
         self.outputs: list[Any] = []
         self.tensor_columns: list[int] = []
-        self.versions: list[tuple[str, torch.Tensor, int]] = []
+        self.versions: SavedVersions = ()
 
     def _microbatch_sizes(self) -> list[int]:
         split = self.graph.split
@@ -606,12 +607,11 @@ class _Call(PipelinedCall):
     def _save_versions(self) -> None:
         """Versions of the trainable parameters and inputs the recompute will read."""
         specs = self.graph.program.state_by_name()
-        for slot, t in self.state.items():
-            if specs[slot].kind == "parameter" and t.requires_grad:
-                self.versions.append((specs[slot].fqn, t, t._version))
-        for name, t in self.values.items():
-            if isinstance(t, torch.Tensor) and name in self.graph.used_inputs:
-                self.versions.append((f"input {name}", t, t._version))
+        self.versions = saved_versions(
+            [(specs[slot].fqn, t) for slot, t in self.state.items()
+             if specs[slot].kind == "parameter" and t.requires_grad]
+            + [(f"input {name}", t) for name, t in self.values.items()
+               if isinstance(t, torch.Tensor) and name in self.graph.used_inputs])
 
     def run_backward(self, output_grads: list[dict[str, torch.Tensor]],
                      targets: Sequence[GradTarget], *, plain: bool) -> RunResult:
@@ -627,13 +627,7 @@ class _Call(PipelinedCall):
                     only.add(graph.slot_at[i] or graph.value_at[i] or "")
         if self.stash is None:  # (PipelinedFunction refuses a second backward before this)
             raise RoundPipeError("internal: a pipelined call's backward ran twice")
-        for what, t, version in self.versions:
-            if t._version != version:
-                raise InputError(
-                    f"{what} was modified in place between forward and backward (version "
-                    f"{version} -> {t._version}); roundpipe recomputes the forward from it "
-                    "in backward, so call backward() before changing it (e.g. before "
-                    "optimizer.step())")
+        refuse_modified_since(self.versions)
         with backend._lock:
             graph.host.bind(self.state)
             result = graph.executor(self.rotation).backward(

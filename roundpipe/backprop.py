@@ -20,13 +20,14 @@ committing it, as in eager PyTorch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
 from .errors import InputGradientError, ModelError, ParameterHookError
-from .runtime.call import GradTarget, PipelinedCall, pipelined
+from .runtime.call import (GradTarget, PipelinedCall, SavedVersions, pipelined,
+                           refuse_modified_since, saved_versions)
 from .runtime.host_state import fold_unit_grads
 from .runtime.microbatch import MergeColumn, input_path, join_input_grad
 from .runtime.signature import flat_leaves
@@ -62,8 +63,9 @@ class _ForwardCall(PipelinedCall):
                  columns: list[MergeColumn], out_tensors: list[torch.Tensor],
                  grad_inputs: list[tuple[str, list[Any] | None]],
                  params: list[tuple[str, torch.Tensor]], fqns: dict[str, str],
-                 hooked_to_autograd: bool) -> None:
+                 hooked_to_autograd: bool, reread: SavedVersions = ()) -> None:
         self._run_backward = run_backward
+        self.reread = reread  # what the recompute reads again, as the forward left it
         self.fqns = fqns  # slot -> parameter name, for messages
         # No masters: a hooked parameter's gradient goes to autograd, which sums its uses,
         # runs its hooks once and accumulates it in .grad (the master's), as eager does.
@@ -83,6 +85,7 @@ class _ForwardCall(PipelinedCall):
 
     def run_backward(self, output_grads: list[dict[str, torch.Tensor]],
                      targets: Sequence[GradTarget], *, plain: bool) -> RunResult:
+        refuse_modified_since(self.reread)
         n = len(self.grad_inputs)
         inputs, params = targets[:n], targets[n:]
         handed = set()
@@ -150,7 +153,8 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]], GradR
                     program: ModelProgram, params: Sequence[tuple[str, torch.Tensor]],
                     full_inputs: tuple[tuple[Any, ...], dict[str, Any]], mbs: list,
                     columns: list[MergeColumn], merged: list[Any],
-                    build: Callable[[list[Any]], Any], *, masters: bool = True) -> Any:
+                    build: Callable[[list[Any]], Any], *, masters: bool = True,
+                    reread: SavedVersions = ()) -> Any:
     """The call's outputs, ``build(merged)``, with the merged floating tensors (one per
     ``columns`` entry) connected to a pipelined backward first.
 
@@ -159,7 +163,8 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]], GradR
     and returns the executor's result, its ``param_grads`` those not committed (whose
     input gradients flow back to the inputs that require them).  ``params``: (slot,
     tensor) of the program's parameters.  ``masters``: the pipe has ``optim_dtype``
-    masters (without, a hooked parameter's gradient is handed to autograd).
+    masters (without, a hooked parameter's gradient is handed to autograd).  ``reread``:
+    :func:`recompute_reads` at the forward's end, refused if changed at the backward.
     """
     full_leaves = flat_leaves(program.inputs, *full_inputs) or []
     grad_inputs: list[tuple[str, list[Any] | None]] = []
@@ -183,12 +188,33 @@ def attach_backward(run_backward: Callable[[list[dict[str, torch.Tensor]], GradR
     values = [j for j, v in enumerate(merged) if isinstance(v, torch.Tensor)]
     call = _ForwardCall(run_backward, [columns[j] for j in values],
                         [merged[j] for j in values], grad_inputs, connected,
-                        {spec.name: spec.fqn for spec in program.state}, not masters)
+                        {spec.name: spec.fqn for spec in program.state}, not masters,
+                        reread)
     outs = pipelined(call, grad_tensors + [p for _, p in connected])
     result = list(merged)
     for j, out in zip(values, outs):
         result[j] = out
     return build(result)
+
+
+def recompute_reads(program: ModelProgram, tensors: Mapping[str, torch.Tensor],
+                    full_inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> SavedVersions:
+    """The versions, as the forward left them, of what the backward's recompute reads
+    again from where the user can write it: the parameters, the buffers the forward does
+    not write (it stashes those it writes as they were) and the tensor inputs the
+    program uses.  ``tensors``: state slot -> host tensor."""
+    written = {s for u in program.units for s in u.mutated_state} | {
+        slot for slot, _ in program.buffer_updates}
+    state = [(f"{spec.kind} {spec.fqn!r}", tensors[spec.name]) for spec in program.state
+             if spec.kind == "parameter" or (spec.kind == "buffer"
+                                             and spec.name not in written)]
+    leaves = flat_leaves(program.inputs, *full_inputs) or []
+    used = {id(leaf) for pos, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and program.inputs.names[pos] is not None}
+    inputs = [(input_path(path), v)
+              for path, v in pytree.tree_flatten_with_path(full_inputs)[0]
+              if isinstance(v, torch.Tensor) and id(v) in used]
+    return saved_versions(state + inputs)
 
 
 def refuse_hooks_split_by_microbatches(model: torch.nn.Module, program: ModelProgram,

@@ -58,10 +58,17 @@ class Front:
     def __call__(self, *args):
         return self.fn(*args)
 
-    def seen(self) -> dict[str, torch.Tensor | None]:
+    def seen(self, step: bool = True) -> dict[str, torch.Tensor | None]:
+        """``step=False``: read after ``pipe.synchronize()``, without a step, between a
+        ``pipe(x)`` and its backward (a step publishes the masters into the weights,
+        which that backward refuses: it would recompute with them)."""
         if self.pipe is None:
             return {n: p.grad for n, p in self.model.named_parameters()}
         grads: dict[str, torch.Tensor | None] = {}
+        if not step:
+            self.pipe.synchronize()
+            return {n: None if m.grad is None else m.grad.clone()
+                    for n, m in self.pipe.optim_named_parameters()}
 
         def read() -> None:
             grads.update((n, None if m.grad is None else m.grad.clone())
@@ -304,7 +311,7 @@ def test_double_backward_is_refused_at_the_first_backward_with_nothing_committed
             torch.autograd.grad(out.pow(2).sum(), xi, create_graph=True)
         assert all(g is None for g in run.model_grads().values())
         assert xi.grad is None
-        assert all(g is None for g in run.seen().values())
+        assert all(g is None for g in run.seen(step=False).values())
         out.pow(2).sum().backward()  # the stash is intact
         _assert_grads(run.seen(), {n: p.grad for n, p in eager.named_parameters()})
     finally:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import abc
 import enum
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..errors import DoubleBackwardError, RoundPipeError
+from ..errors import DoubleBackwardError, InputError, RoundPipeError
 from ..ops.rng import RngKey
 from .devices import Device
 from .microbatch import MergeColumn, split_output_grads
@@ -66,6 +66,33 @@ def memory_cap(devices: Sequence[Device], fraction: float) -> int | None:
 
 
 # --- autograd ------------------------------------------------------------------------------
+
+SavedVersions = tuple[tuple[str, torch.Tensor, int], ...]
+
+
+def saved_versions(named: Iterable[tuple[str, torch.Tensor]]) -> SavedVersions:
+    """(what, tensor, version) of each tensor a recorded forward's backward reads again:
+    taken when the forward has ended, checked by :func:`refuse_modified_since` when its
+    backward starts."""
+    return tuple((what, t, t._version) for what, t in named)
+
+
+def refuse_modified_since(saved: SavedVersions) -> None:
+    """Refuse a backward whose recompute would read a tensor written in place since the
+    forward (a weight an optimizer stepped, an input edited): it would compute with the
+    new values, silently.  Eager autograd refuses it too ("one of the variables needed
+    for gradient computation has been modified by an inplace operation")."""
+    for what, t, version in saved:
+        if t._version != version:
+            raise InputError(
+                f"{what} was modified in place between forward and backward (version "
+                f"{version} -> {t._version}); roundpipe recomputes the forward from it "
+                "in backward, so the gradients would be those of the new values (eager "
+                "autograd refuses this too: a variable needed for gradient computation "
+                "has been modified by an inplace operation). Nothing was computed or "
+                "committed. Call backward() before changing it (e.g. before "
+                "optimizer.step()), or run the forward again after the change")
+
 
 class GradTarget(enum.Enum):
     """What the running backward does with the gradient of one input of a pipelined call

@@ -1,0 +1,174 @@
+"""Checks a call makes before it runs anything, where eager PyTorch would refuse or where
+roundpipe cannot match it: ``pipe(x)``, ``forward_backward`` and the ``torch.compile``
+backend against eager PyTorch in float64."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from roundpipe import InputError, RoundPipe, RoundPipeRunConfig
+
+WIDTH = 6
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+class CountedHead(nn.Linear):
+    """A head that counts its calls in a buffer the forward writes (and reads)."""
+
+    def __init__(self) -> None:
+        super().__init__(WIDTH, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x) * (1 + self.calls / 10)
+
+
+class Net(nn.Module):
+    """Three blocks and a counting head; the second block's weight is frozen and it reads
+    a buffer the forward never writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+        self.blocks[1].weight.requires_grad_(False)
+        self.blocks[1].register_buffer("scale", torch.linspace(0.5, 1.5, WIDTH))
+        self.head = CountedHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = torch.tanh(block(x))
+            if i == 1:
+                x = x * block.scale
+        return self.head(x)
+
+
+def _pipe(model: nn.Module, nmb: int, masters: bool, devices: int = 2) -> RoundPipe:
+    return RoundPipe(model, devices=["cpu"] * devices,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=nmb),
+                     **({"optim_dtype": torch.float64} if masters else {}))
+
+
+def _grads(pipe: RoundPipe) -> dict[str, torch.Tensor | None]:
+    """The gradients the next optimizer step would read, by parameter name."""
+    return {n: None if p.grad is None else p.grad.clone()
+            for n, p in pipe.optim_named_parameters()}
+
+
+def _assert_grads_equal(eager: nn.Module, grads: dict[str, torch.Tensor | None]) -> None:
+    for n, p in eager.named_parameters():
+        if p.grad is None:
+            assert grads.get(n) is None, n
+        else:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+# --- 1. pipe(x), an in-place write, backward() ---------------------------------------------
+
+# what the write touches: (description in the error, the write)
+WRITES = {
+    "trainable weight": ("parameter 'blocks.0.weight'",
+                         lambda m, x: m.blocks[0].weight.mul_(2)),
+    "frozen weight": ("parameter 'blocks.1.weight'", lambda m, x: m.blocks[1].weight.mul_(2)),
+    "head bias": ("parameter 'head.bias'", lambda m, x: m.head.bias.add_(1)),
+    "unwritten buffer": ("buffer 'blocks.1.scale'", lambda m, x: m.blocks[1].scale.mul_(3)),
+    "input": ("input_args[0]", lambda m, x: x.mul_(3)),
+}
+
+
+@pytest.mark.parametrize("what", sorted(WRITES))
+@pytest.mark.parametrize("nmb,masters", [(1, False), (3, False), (3, True)])
+def test_in_place_write_between_pipe_call_and_backward_is_refused(what, nmb, masters):
+    """Eager autograd raises (a variable needed for gradient computation was modified);
+    roundpipe's backward recomputes the forward and read the new values silently (grads
+    0.056 / 0.086 off before).  Now refused before anything runs: no gradient, no
+    buffer changed; a fresh forward after the write then trains exactly."""
+    name, write = WRITES[what]
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, WIDTH), torch.randn(6, 2)
+    xe = x.clone()
+    with _pipe(model, nmb, masters) as pipe:
+        loss = F.mse_loss(pipe(x), y)
+        before = copy.deepcopy(model.state_dict())
+        with torch.no_grad():
+            write(model, x)
+        changed = copy.deepcopy(model.state_dict())
+        with pytest.raises(InputError, match=re.escape(name)
+                           + " was modified in place between forward and backward"):
+            loss.backward()
+        assert all(g is None for g in _grads(pipe).values())
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, changed[k]), k
+        # the same write in eager: the forward runs again after it
+        eager.load_state_dict(before)
+        with torch.no_grad():
+            write(eager, xe)
+        F.mse_loss(eager(xe), y).backward()
+        F.mse_loss(pipe(x), y).backward()
+        pipe.synchronize()
+        _assert_grads_equal(eager, _grads(pipe))
+
+
+def test_eager_refuses_the_weight_write_too():
+    """The reference the refusal follows (eager refuses where the weight was saved for
+    the backward, here for its input's gradient; roundpipe's recompute reads every weight
+    again, so it refuses them all)."""
+    torch.manual_seed(0)
+    model = Net()
+    loss = model(torch.randn(6, WIDTH)).sum()
+    with torch.no_grad():
+        model.blocks[2].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("nmb", [1, 3])
+def test_writes_the_backward_does_not_read_again_are_allowed(nmb):
+    """A buffer the forward writes is stashed as it was, a write to the output or to
+    another tensor is autograd's own business: the backward matches eager, and
+    two calls in one loss (the second writes the counter again) still train."""
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    x1, x2 = torch.randn(6, WIDTH), torch.randn(6, WIDTH)
+    with _pipe(model, nmb, masters=False) as pipe:
+        out1 = pipe(x1)
+        out2 = pipe(x2)
+        with torch.no_grad():
+            model.head.calls.add_(5)
+        (out1.square().sum() + out2.sum()).backward()
+        pipe.synchronize()
+        grads = _grads(pipe)
+    (eager(x1).square().sum() + eager(x2).sum()).backward()
+    _assert_grads_equal(eager, grads)
+
+
+def test_a_step_between_call_and_backward_is_refused():
+    """With masters, a step publishes the masters into the weights: the pending backward
+    would recompute with them (eager: optimizer.step() then backward() raises)."""
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(6, WIDTH)
+    with _pipe(model, 3, masters=True) as pipe:
+        opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+        pipe(x).sum().backward()
+        loss = pipe(x).sum()
+        pipe.step(opt, is_async=False)
+        with pytest.raises(InputError, match="parameter 'blocks.0.weight' was modified"):
+            loss.backward()
+
