@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from roundpipe import InputError, RoundPipe, RoundPipeRunConfig
+from roundpipe import InputError, ModelError, RoundPipe, RoundPipeRunConfig
 
 WIDTH = 6
 
@@ -171,4 +171,101 @@ def test_a_step_between_call_and_backward_is_refused():
         pipe.step(opt, is_async=False)
         with pytest.raises(InputError, match="parameter 'blocks.0.weight' was modified"):
             loss.backward()
+
+
+# --- 3. a forward that switches a module's training flag ------------------------------------
+
+class ModeScaled(nn.Module):
+    """Doubles its input in training mode: a wrong flag is a wrong output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (2.0 if self.training else 1.0)
+
+
+class Switching(nn.Module):
+    """Blocks around a mode-dependent module whose flag the forward sets (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+        self.mid = ModeScaled()
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "flip":  # read, then set to the other value: alternates per call
+            self.mid.train(not self.mid.training)
+        elif self.how == "follow":  # read, then set to the value it has
+            self.mid.train(self.mid.training)
+        elif self.how == "always_eval":  # set from nowhere: the same at every call
+            self.mid.eval()
+        x = torch.tanh(self.blocks[0](x))
+        if self.how == "around":  # switched on for one use, then back
+            self.mid.train()
+            x = self.mid(x)
+            self.mid.eval()
+        else:
+            x = self.mid(x)
+        for block in self.blocks[1:]:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("front", ["forward_backward", "call"])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_forward_flipping_a_training_flag_is_refused(front, training):
+    """``self.mid.train(not self.mid.training)``: eager alternates the mode at every call
+    (per microbatch in forward_backward's loop); the traced program kept one mode (loss
+    0.085 off, silently).  Refused like the other Python state, flag put back."""
+    torch.manual_seed(0)
+    model = Switching("flip").train(training)
+    x, y = torch.randn(6, WIDTH), torch.randn(6, 2)
+    with RoundPipe(model, devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        name = f"mid.training ({training} -> {not training})"
+        with pytest.raises(ModelError, match=re.escape(name) + ".*Switch the mode outside "
+                                                               "the forward"):
+            if front == "call":
+                pipe(x)
+            else:
+                pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        assert model.mid.training is training
+        assert all(p.grad is None for p in pipe.optim_parameters())
+
+
+@pytest.mark.parametrize("front", ["forward_backward", "call"])
+@pytest.mark.parametrize("how,training", [("follow", True), ("follow", False),
+                                          ("around", False), ("always_eval", True)])
+def test_a_forward_setting_a_flag_the_same_at_every_call_trains_exactly(front, how,
+                                                                        training):
+    """Setting the flag it has, switching it for one use and back, or setting it from
+    nowhere (the same at every call, as a lazy initialisation) is what eager does at
+    every call: two SGD steps equal eager (per-microbatch loop for forward_backward),
+    and the flag ends as eager's."""
+    torch.manual_seed(0)
+    model = Switching(how).train(training)
+    eager = copy.deepcopy(model)
+    eopt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    with RoundPipe(model, devices=["cpu"] * 2,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = torch.optim.SGD(pipe.optim_parameters(), lr=0.1)
+        for step in range(2):
+            x, y = torch.randn(6, WIDTH), torch.randn(6, 2)
+            if front == "call":
+                F.mse_loss(eager(x), y).backward()
+                loss = F.mse_loss(pipe(x), y)
+                loss.backward()
+            else:
+                for xm, ym in zip(x.chunk(3), y.chunk(3)):
+                    F.mse_loss(eager(xm), ym).backward()
+                pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+            pipe.synchronize()
+            _assert_grads_equal(eager, _grads(pipe))
+            eopt.step()
+            eopt.zero_grad()
+            pipe.step(opt, is_async=False)
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert [m.training for m in model.modules()] == [m.training for m in eager.modules()]
 

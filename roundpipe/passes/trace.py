@@ -192,15 +192,20 @@ def trace(
                 owner, _, attr = key.rpartition(".")  # them for real: put back)
                 object.__setattr__(model.get_submodule(owner), attr, old)
             name, (old, new) = sorted(changed.items())[0]
+            way_out = (
+                "Switch the mode outside the forward (module.train() / .eval() before the "
+                "call: roundpipe keys its programs by every module's training flag)"
+                if name.rpartition(".")[2] == "training" else
+                "Keep such state in a buffer written in place "
+                "(self.register_buffer('calls', torch.zeros((), dtype=torch.long)), then "
+                "self.calls.add_(1)), or update it outside the forward")
             raise ModelError(
                 f"{type(model).__name__}'s forward sets the Python attribute {name} "
                 f"({old!r} -> {new!r}"
                 + (f"; and {len(changed) - 1} more" if len(changed) > 1 else "")
                 + "): roundpipe runs the forward's Python once, while tracing, so it would "
                 "not change at every call as in eager PyTorch, and code reading it would "
-                "keep the traced value. Keep such state in a buffer written in place "
-                "(self.register_buffer('calls', torch.zeros((), dtype=torch.long)), then "
-                "self.calls.add_(1)), or update it outside the forward")
+                f"keep the traced value. {way_out}")
         if kept_tensors:
             name = sorted(kept_tensors)[0]
             raise ModelError(
@@ -264,10 +269,10 @@ def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[_Reads]:
     ``self.t.tolist()``), so a value changed after the call (``model.block.scale = 2.0``,
     ``model.mask = other``, ``model.mask.mul_(2)``) must make a new program
     (``RoundPipe`` compares them at every call); it used to keep the old value silently.
-    ``training`` is keyed apart; reads by torch's module classes count
-    (``model.drop.p = 0.2`` after a call used to keep the traced p), reads by the rest of
-    torch's and by roundpipe's own code do not.  ``instances`` has the plain values'
-    reads only."""
+    ``training`` is keyed apart (its reads are in ``instances`` only); reads by torch's
+    module classes count (``model.drop.p = 0.2`` after a call used to keep the traced p),
+    reads by the rest of torch's and by roundpipe's own code do not.  ``instances`` has
+    the plain values' reads only."""
     modules = {id(m) for m in model.modules()}
     found = _Reads(set(), set())
     thread = threading.get_ident()
@@ -278,11 +283,11 @@ def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[_Reads]:
         value = getattribute(self, name)
         plain = type(value) in _PLAIN_VALUES
         if ((plain or isinstance(value, tensor) and name in getattribute(self, "__dict__"))
-                and name != "training"
                 and not name.startswith("__") and id(self) in modules
                 and threading.get_ident() == thread
                 and _reads_for_the_model(sys._getframe(1).f_code.co_filename)):
-            found.classes.add((type(self), name))
+            if name != "training":  # (the program key holds every module's flag)
+                found.classes.add((type(self), name))
             if plain:
                 found.instances.add((id(self), name))
         return value
@@ -341,12 +346,14 @@ def _watch_buffer_reassignment(model: torch.nn.Module
 _UNSET = object()
 
 
-def _setattr_caller() -> str:
+def _setattr_caller(past_torch: bool = False) -> str:
     """The file of the code whose assignment a ``setattr_`` watch below sees, past the
-    other watches' ``setattr_`` frames (they patch ``nn.Module.__setattr__`` in turn)."""
+    other watches' ``setattr_`` frames (they patch ``nn.Module.__setattr__`` in turn);
+    ``past_torch``: and past torch's own frames (``Module.train`` setting ``training``)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_name == "setattr_" \
-            and frame.f_code.co_filename == __file__:
+    while frame is not None and (
+            frame.f_code.co_name == "setattr_" and frame.f_code.co_filename == __file__
+            or past_torch and frame.f_code.co_filename.startswith(_TORCH_DIR)):
         frame = frame.f_back
     return frame.f_code.co_filename if frame is not None else ""
 
@@ -370,9 +377,12 @@ def _watch_plain_writes(model: torch.nn.Module, reads: _Reads
 
     def setattr_(self: torch.nn.Module, name: str, value: Any) -> None:
         before = self.__dict__.get(name, _UNSET)
+        # (torch's Module.train() sets ``training``: whose call it is, is the first
+        # caller outside torch: the model's forward, or roundpipe's and export's own
+        # switching, which do not count)
         if (type(value) in _PLAIN_VALUES and id(self) in paths and threading.get_ident() == thread
-                and name != "training"
-                and not _setattr_caller().startswith((_TORCH_DIR, _ROUNDPIPE_DIR))):
+                and not _setattr_caller(past_torch=name == "training").startswith(
+                    (_TORCH_DIR, _ROUNDPIPE_DIR))):
             path = paths[id(self)]
             key = f"{path}.{name}" if path else name
             if key not in found and (id(self), name) not in reads.instances:
