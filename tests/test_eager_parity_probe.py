@@ -245,17 +245,19 @@ def test_a_parameter_written_or_data_assigned_on_the_fx_fallback_is_refused(what
     ``t.data = value`` left no node in the fx graph at all (loss 1.06 off)."""
     torch.manual_seed(0)
     model = _DataWrites(what)
-    before = {n: t.clone() for n, t in model.state_dict().items()}
+    before = {n: (t, t.clone(), t.data_ptr())
+              for n, t in model.state_dict(keep_vars=True).items()}
     error = ModelError if what == "parameter" else TraceError
     with pytest.raises(error, match="head.weight in place" if what == "parameter"
                        else "assigns .*data"):
         RoundPipe(model, devices=["cpu"] * 2).forward_backward(
             input_args=(torch.randn(4, 4),), label=torch.randn(4, 2), loss_fn=F.mse_loss)
-    # (tracing's eager rehearsal of the example, before fx, made the parameter write the
-    # user's forward makes; buffers are put back)
-    written = {"head.weight"} if what == "parameter" else set()
-    for n, t in model.state_dict().items():
-        assert n in written or torch.equal(t, before[n]), n
+    # Refused before it runs: every parameter and buffer as it was (tracing's eager
+    # rehearsal of the example, before fx, used to leave the clamped weight behind).
+    assert model.state_dict(keep_vars=True).keys() == before.keys()
+    for n, t in model.state_dict(keep_vars=True).items():
+        same, value, ptr = before[n]
+        assert t is same and t.data_ptr() == ptr and torch.equal(t, value), n
 
 
 # --- Python state the forward writes ---------------------------------------------------------

@@ -165,7 +165,8 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
                   kwargs: dict[str, Any]) -> dict[str, list[_Site]]:
     """Run the model once for real and record every leaf call's output structure.
 
-    Buffers and the CPU RNG state are restored afterwards, so the run leaves no trace.
+    The model's state and the CPU RNG state are restored afterwards, so the run leaves no
+    trace.
     """
     calls: dict[str, list[_Site]] = {p: [] for p in leaves}
     handles = []
@@ -174,6 +175,10 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
     running: list[str] = []  # the leaves whose forward is running, innermost last
     hooks: dict[str, list[tuple[str, int | None]]] = {}  # path -> (line, hooked input)
     state_names = {id(t): n for n, t in reversed(state)}
+    guard: list[Any] = []  # the run's StateChanges: counts writes through .data too
+
+    def stamp(tensor: torch.Tensor) -> tuple[int | None, int]:
+        return _version(tensor), guard[0].writes(tensor) if guard else 0
 
     def on_register(tensor: torch.Tensor, hook: Any, line: str) -> Any:
         """A leaf's Python registers a tensor hook (it runs so at run time too, see
@@ -198,9 +203,11 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
 
         def pre_hook(module: torch.nn.Module, inputs: Any, kw: Any, path: str = path,
                      outside: list[tuple[str, torch.Tensor]] = outside) -> None:
-            before[path] = [(n, t, _version(t)) for n, t in outside]
-            before[path + "#own"] = [(n, t, _version(t)) for n, t
+            before[path] = [(n, t, stamp(t)) for n, t in outside]
+            before[path + "#own"] = [(n, t, stamp(t)) for n, t
                                      in module.named_buffers(remove_duplicate=False)]
+            before[path + "#params"] = [(n, t, stamp(t)) for n, t
+                                        in module.named_parameters(remove_duplicate=False)]
             tensors = [x for x in pytree.tree_leaves((inputs, kw))
                        if isinstance(x, torch.Tensor)]
             before[path + "#inputs"] = [(str(i), t, _version(t))
@@ -212,12 +219,22 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
             running.pop()
             inputs_seen = before.pop(path + "#inputs", ())
             written_state = tuple(n for n, t, version in before.pop(path + "#own", ())
-                                  if _version(t) != version)
+                                  if stamp(t) != version)
+            written_params = [n for n, t, version in before.pop(path + "#params", ())
+                              if stamp(t) != version]
+            if written_params:
+                raise ModelError(
+                    f"the opaque (leaf) module {path} writes its parameter "
+                    f"{path}.{written_params[0]} in place in its forward; roundpipe runs a "
+                    "leaf on the device's copies of its parameters, so the write would be "
+                    "lost (eager PyTorch keeps it). Apply such constraints outside the "
+                    "forward (after the optimizer step), or let the module be traced "
+                    "(not a leaf)")
             written_inputs = tuple(int(i) for i, t, version in inputs_seen
                                    if _version(t) != version)
             passed = {id(t) for _, t, _ in inputs_seen}  # arrive as graph values: carried
             written = [n for n, t, version in before.pop(path, ())
-                       if _version(t) != version and id(t) not in passed]
+                       if stamp(t) != version and id(t) not in passed]
             if written:
                 if written[0].startswith(path + "."):
                     raise ModelError(
@@ -247,22 +264,17 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
         module = model.get_submodule(path)
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
-    # buffers and plain tensor attributes (a refused write must leave no trace either)
-    def kept() -> list[tuple[str, torch.Tensor]]:
-        return list(model.named_buffers()) + tensor_attributes(model)
-
-    saved = {n: t.detach().clone() for n, t in kept()}
+    # the whole state is put back, written or not (a refused write must leave no trace
+    # either, and an accepted one is the program's to make, once per step)
+    from .state_guard import state_kept  # (imports this module)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                intercept_register_hook(on_register):
+                intercept_register_hook(on_register), state_kept(model) as changes:
+            guard.append(changes)
             model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
-        with torch.no_grad():
-            for n, t in kept():
-                if n in saved and saved[n].shape == t.shape:
-                    t.copy_(saved[n])
     return calls
 
 

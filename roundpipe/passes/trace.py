@@ -53,6 +53,7 @@ from ..ops.hooks import mark_hooking
 from ..ops.modcall import call_module_functional, tensor_leaves
 from .forward_hooks import hooks_unwatched, watch_forward_hooks
 from .custom_backward import CustomBackwardFunction, refuse_custom_backward
+from .state_guard import state_kept
 from .leaves import (WRITES, failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
@@ -163,7 +164,9 @@ def trace(
             with _watch_buffer_reassignment(model) as (reassigned, kept_tensors), \
                     _watch_attribute_reads(model) as reads, \
                     _watch_plain_writes(model, reads) as plain_writes, \
-                    watch_forward_hooks(model) as hooks_watch:
+                    watch_forward_hooks(model) as hooks_watch, \
+                    state_kept(model, copy_on_write=False, copy_attributes=True):
+                # (the state is put back whatever happens: trace or refusal)
                 traced = _trace(model, example_args, example_kwargs,
                                 leaf_modules=leaf_modules, opaque_modules=opaque_modules,
                                 dynamic=dynamic, share_blocks=share_blocks)
@@ -471,19 +474,21 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
 def refuse_unrunnable_example(model: torch.nn.Module, args: tuple[Any, ...],
                               kwargs: dict[str, Any]) -> None:
     """Run ``model`` once eagerly on the example (in the caller's grad mode, as tracing
-    does; buffers, plain tensor attributes and the CPU RNG are put back) and raise
+    does; parameters, buffers, plain tensor attributes and the CPU RNG are put back,
+    see :mod:`roundpipe.passes.state_guard`) and raise
     :class:`TraceError` if it fails there:
     a wrong example, not a tracing problem.  The error's ``example_error`` is the model's
     own exception (``original`` too)."""
-    kept = list(model.named_buffers()) + tensor_attributes(model)
-    saved = {n: t.detach().clone() for n, t in kept}
     # on copies of the inputs: a model that writes its input in place (refused later,
     # with its own message) must not write the caller's tensors here
     args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (tuple(args), dict(kwargs)))
     try:
         # (a real call: hooks that keep its activations are not tracing's concern)
-        with torch.random.fork_rng(devices=[]), hooks_unwatched():
+        with torch.random.fork_rng(devices=[]), hooks_unwatched(), \
+                state_kept(model) as changes:
             model(*args, **kwargs)
+    except ModelError:  # the guard's refusal of what it could not undo
+        raise
     except Exception as e:  # noqa: BLE001 - any failure of the model's own code
         shapes = describe_tensors(args, kwargs)
         error = TraceError(
@@ -494,11 +499,13 @@ def refuse_unrunnable_example(model: torch.nn.Module, args: tuple[Any, ...],
         error.example_cause = _describe(e)  # type: ignore[attr-defined]
         error.original = e  # type: ignore[attr-defined]
         raise error from None
-    finally:
-        with torch.no_grad():
-            for n, t in list(model.named_buffers()) + tensor_attributes(model):
-                if n in saved and saved[n].shape == t.shape:
-                    t.copy_(saved[n])
+    if changes.flags:
+        # (put back, as all else; export, run on fake parameters, does not show it)
+        raise ModelError(
+            f"{type(model).__name__}'s forward changes {changes.flags[0]} of the model "
+            "itself: the traced program never makes that change, where eager PyTorch "
+            "makes it at every call (and the gradients follow it). Set requires_grad and "
+            ".grad outside the forward")
 
 
 def describe_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -1413,8 +1420,20 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     tracer = _LeafTracer(leaves)
     initial_grad = torch.is_grad_enabled()
     with fx_records_grad_mode(tracer), inference_mode_as_no_grad(), \
-            refuse_custom_backward(), _refuse_data_assignment():
+            refuse_custom_backward(), _refuse_data_assignment(), \
+            state_kept(model) as changes:
         graph = tracer.trace(model, concrete_args=concrete)
+    if changes.written or changes.moved or changes.flags:
+        # fx made graph values of parameters and buffers reached as module attributes;
+        # code on any other tensor ran once, for real (now undone), and is not in the graph
+        raise ModelError(
+            f"{type(model).__name__}'s forward changes {changes.first()} on a tensor that "
+            "torch.fx does not trace (a plain tensor attribute, or a parameter or buffer "
+            "reached other than as a module attribute, e.g. through self.parameters()): "
+            "the program would never make that change, where eager PyTorch makes it at "
+            "every call. Register a tensor written in place as a buffer "
+            "(register_buffer(name, tensor, persistent=False)), or make the change "
+            "outside the forward")
     mark_mode_regions(graph, initial_grad=initial_grad)
     for node in list(graph.nodes):
         # fx checks an argument specialised to None with a node reading its placeholder,

@@ -1,0 +1,249 @@
+"""Leave the model's state as it was after tracing runs the user's code on real tensors.
+
+Tracing runs the user's Python for real in a few places: the eager rehearsal of the
+example before the ``torch.fx`` fallback (``trace.refuse_unrunnable_example``), the
+recording run of opaque (leaf) modules (``leaves._record_calls``), and ``torch.fx``'s
+symbolic trace itself, whose ops on tensors it does not turn into graph values (a plain
+tensor attribute, a parameter reached through ``self.parameters()``) run for real.
+Whatever such a run writes, the model must come out of it exactly as it went in, whether
+the trace then succeeds (the program makes the write at the first real step, once) or is
+refused (the user gets the model back untouched): parameters and buffers (values,
+storage, ``requires_grad``, ``.grad``) and plain tensor attributes.
+
+Nothing is copied up front (a model's weights may be most of the host's memory): a
+tensor's storage is copied only before the first in-place write to it, seen by a
+``TorchDispatchMode`` (writes through ``.data`` or ``detach()`` share the storage but not
+the version counter, so ``_version`` alone would miss them).  Rebinding (``p.data = t``,
+``self.buf = t``, ``p.requires_grad_(False)``, ``p.grad = None``) costs nothing to undo:
+the old tensors are held.  Writes that bypass the dispatcher (through ``numpy()``, a raw
+``data_ptr``) cannot be seen and are not undone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import ModelError
+from .leaves import tensor_attributes
+
+
+@dataclass
+class StateChanges:
+    """What a guarded run changed (and what was then put back), by state name."""
+
+    written: list[str] = field(default_factory=list)  # values written in place
+    rebound: list[str] = field(default_factory=list)  # a registry entry set to another
+    moved: list[str] = field(default_factory=list)  # ``.data`` rebound (storage, shape, dtype)
+    flags: list[str] = field(default_factory=list)  # requires_grad or .grad changed
+
+    # the run's copy-on-write mode, while it runs (see ``writes``)
+    mode: Any = field(default=None, repr=False, compare=False)
+
+    def writes(self, tensor: torch.Tensor) -> int:
+        """In-place writes seen so far to ``tensor``'s storage, when it is watched (through
+        any alias: ``.data``, ``detach()``, a view); 0 otherwise.  A run's code can tell
+        from it which call wrote what, where ``_version`` misses ``.data`` writes."""
+        key = _storage_key(tensor)
+        return self.mode.counts.get(key, 0) if self.mode is not None else 0
+
+    def __bool__(self) -> bool:
+        return bool(self.written or self.rebound or self.moved or self.flags)
+
+    def first(self) -> str:
+        """The first change, in words (``head.weight written in place``)."""
+        for names, what in ((self.written, "written in place"),
+                            (self.rebound, "rebound to another tensor"),
+                            (self.moved, "given another .data"),
+                            (self.flags, "")):
+            if names:
+                return f"{names[0]} {what}".rstrip()
+        return ""
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+# Arguments ATen writes without saying so in the schema (``native_batch_norm``'s running
+# statistics, in training mode; nor does it bump their version counters).  An op with an
+# undeclared write not listed here would escape the copy, as would writes that bypass the
+# dispatcher (``numpy()``, ``data_ptr``).
+_UNDECLARED_WRITES = frozenset({"running_mean", "running_var"})
+
+
+def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``op`` writes (cached per overload)."""
+    found = _WRITES.get(op)
+    if found is None:
+        schema = getattr(op, "_schema", None)
+        found = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                      if a.alias_info is not None and a.alias_info.is_write
+                      or a.name in _UNDECLARED_WRITES) if schema is not None else ()
+        _WRITES[op] = found
+    return found
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    try:
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            return None
+        ptr = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake, functional, sparse, ...
+        return None
+    return ptr or None
+
+
+class _CopyOnWrite(TorchDispatchMode):
+    """Copies a watched storage before the first op that writes it."""
+
+    def __init__(self, watched: dict[int, tuple[torch.UntypedStorage, str]]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.saved: dict[int, torch.UntypedStorage] = {}
+        self.counts: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, name in _written_arguments(func):
+            value = args[i] if i < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    key = _storage_key(t)
+                    if key is not None and key in self.watched:
+                        if func in _RESIZES:
+                            _refuse_resize(func, t, args, self.watched[key][1])
+                        if key not in self.saved:
+                            # (the mode is off inside its own handler: a plain copy)
+                            self.saved[key] = self.watched[key][0].clone()
+                        self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **kwargs)
+
+
+_RESIZES = frozenset({torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default})
+
+
+def _refuse_resize(func: Any, t: torch.Tensor, args: Any, name: str) -> None:
+    """A resize may move the storage that every alias of ``name`` holds: nothing could
+    put its address back, so it is refused before it runs (a same-shape resize is a no-op)."""
+    shape = tuple(args[1].shape) if func is torch.ops.aten.resize_as_.default \
+        else tuple(args[1])
+    if shape != tuple(t.shape):
+        raise ModelError(
+            f"the forward resizes {name} in place ({func}, {tuple(t.shape)} -> {shape}), "
+            "which may move its storage: roundpipe runs the forward while tracing and "
+            "could not put the model's state back exactly. Resize it outside the forward, "
+            "or give the forward a new tensor")
+
+
+@dataclass
+class _Tensor:
+    tensor: torch.Tensor
+    name: str
+    alias: torch.Tensor  # detached, on the storage it had: undoes ``.data = ...``
+    requires_grad: bool
+    grad: torch.Tensor | None
+    layout: tuple[Any, ...]
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    return (_storage_key(t), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+            t.device)
+
+
+@contextlib.contextmanager
+def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ...] = (),
+               copy_on_write: bool = True, copy_attributes: bool = False
+               ) -> Iterator[StateChanges]:
+    """While active, the model's parameters, buffers and tensor attributes (and the
+    ``extra`` named tensors) may be written by real code; on exit every one is put back
+    exactly: the module's registries (``_parameters``, ``_buffers``, tensor attributes),
+    each tensor's storage and layout, values, ``requires_grad`` and ``.grad`` (value and
+    identity).  Yields the changes, filled on exit.
+
+    ``copy_on_write=False`` (for ``torch.export``, which fails under another dispatch
+    mode): only the bindings are watched, which is enough for parameters and buffers,
+    since export runs the forward on fake copies of them; ``copy_attributes``: the plain
+    tensor attributes, which export runs on for real (constants, typically small), are
+    copied up front and put back when written."""
+    modules = list(model.named_modules(remove_duplicate=True))
+    tables = [(m, dict(m._parameters), dict(m._buffers),
+               {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)
+                and not isinstance(v, torch.nn.Parameter)}) for _, m in modules]
+    named = (list(model.named_parameters(remove_duplicate=False))
+             + list(model.named_buffers(remove_duplicate=False))
+             + tensor_attributes(model) + list(extra))
+    tensors: dict[int, _Tensor] = {}
+    watched: dict[int, tuple[torch.UntypedStorage, str]] = {}
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) or id(t) in tensors:
+            continue
+        grad = t.grad if t.is_leaf else None
+        tensors[id(t)] = _Tensor(t, name, t.detach(), t.requires_grad, grad, _layout(t))
+        for value, label in ((t, name), (grad, f"{name}.grad")):
+            key = _storage_key(value) if value is not None else None
+            if key is not None and key not in watched:
+                watched[key] = (value.untyped_storage(), label)
+    copies = {}
+    if copy_attributes:
+        for name, t in tensor_attributes(model):
+            key = _storage_key(t)
+            if key is not None and key not in copies:
+                copies[key] = (t.untyped_storage(), t.untyped_storage().clone(), name)
+    mode = _CopyOnWrite(watched) if copy_on_write else None
+    changes = StateChanges(mode=mode)
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            yield changes
+    finally:
+        changes.mode = None
+        _put_back(modules, tables, tensors, changes)
+        for storage, copy, name in copies.values():
+            if not torch.equal(_bytes(storage), _bytes(copy)):
+                changes.written.append(name)
+                storage.copy_(copy)
+        if mode is not None:
+            for key, copy in mode.saved.items():
+                storage, label = watched[key]
+                changes.written.append(label)
+                storage.copy_(copy)
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _put_back(modules: list[tuple[str, torch.nn.Module]], tables: list[Any],
+              tensors: dict[int, _Tensor], changes: StateChanges) -> None:
+    for (path, module), (_, params, buffers, attrs) in zip(modules, tables):
+        prefix = f"{path}." if path else ""
+        for table, saved in ((module._parameters, params), (module._buffers, buffers)):
+            for k in [k for k in table if k not in saved]:  # registered by the run
+                changes.rebound.append(prefix + k)
+                del table[k]
+            for k, v in saved.items():
+                if table.get(k, _MISSING) is not v:
+                    changes.rebound.append(prefix + k)
+                    table[k] = v
+                module.__dict__.pop(k, None)  # (shadowing the registry entry)
+        for k, v in attrs.items():
+            if module.__dict__.get(k, _MISSING) is not v:
+                changes.rebound.append(prefix + k)
+                module.__dict__[k] = v
+    with torch.no_grad():
+        for entry in tensors.values():
+            t = entry.tensor
+            if _layout(t) != entry.layout:
+                changes.moved.append(entry.name)
+                t.data = entry.alias
+            if t.requires_grad != entry.requires_grad and t.is_leaf:
+                changes.flags.append(f"{entry.name}.requires_grad")
+                t.requires_grad_(entry.requires_grad)
+            if t.is_leaf and t.grad is not entry.grad:
+                changes.flags.append(f"{entry.name}.grad")
+                t.grad = entry.grad
+
+
+_MISSING = object()

@@ -1,0 +1,322 @@
+"""Tracing runs the user's code on real tensors in places (the eager rehearsal of the
+example before the torch.fx fallback, the opaque modules' recording run, torch.fx's own
+run of code on tensors it does not trace).  Whatever that code writes, the model comes out
+as it went in, whether the trace is then refused (the user gets the model back untouched)
+or accepted (the program makes the write at each real step, once, as eager does)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from roundpipe import ModelError, RoundPipe, RoundPipeError, RoundPipeRunConfig
+from roundpipe.passes.state_guard import state_kept
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+class _Writes(nn.Module):
+    """Changes its own state in forward, ``how``; a ``.data`` read makes export fail, so
+    the torch.fx fallback traces it, after the eager rehearsal (``fx=False``: export)."""
+
+    def __init__(self, how: str, fx: bool = True) -> None:
+        super().__init__()
+        self.how, self.fx = how, fx
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+        self.register_buffer("seen", torch.zeros(2))
+        self.t = torch.ones(2)  # a plain tensor attribute
+
+    def forward(self, x):
+        how = self.how
+        if how == "data":
+            self.head.weight.data.clamp_(-0.2, 0.2)
+        elif how == "no_grad":
+            with torch.no_grad():
+                self.head.weight.mul_(0.5)
+        elif how == "copy":
+            with torch.no_grad():
+                self.head.weight.copy_(torch.full((2, 4), 0.25))
+        elif how == "detach":
+            self.head.weight.detach().add_(1.0)
+        elif how == "all_parameters":
+            for p in self.parameters():
+                p.data.clamp_(-0.2, 0.2)
+        elif how == "data_rebound":
+            self.head.weight.data = self.head.weight.data * 0.5
+        elif how == "buffer_rebound":
+            self.seen = self.seen + 1.0
+        elif how == "attribute":
+            self.t.add_(1.0)
+        elif how == "requires_grad":
+            self.head.bias.requires_grad_(False)
+        elif how == "grad":
+            self.head.weight.grad = None
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        out = self.head(x) + self.seen + self.t
+        if self.fx:
+            out = out + self.seen.data.sum() * 0.0
+        return out
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    def grad(p):
+        return None if p.grad is None else (p.grad, p.grad.clone())
+    return {
+        "params": [(n, p, p.detach().clone(), p.data_ptr(), p.requires_grad, grad(p))
+                   for n, p in model.named_parameters()],
+        "buffers": [(n, b, b.clone(), b.data_ptr()) for n, b in model.named_buffers()],
+        "t": (model.t, model.t.clone()),
+        "opt": copy.deepcopy(opt.state_dict()),
+    }
+
+
+def _assert_unchanged(model: nn.Module, opt: torch.optim.Optimizer, snap: dict) -> None:
+    now = dict(model.named_parameters())
+    assert list(now) == [n for n, *_ in snap["params"]]
+    for name, p, value, ptr, requires_grad, grad in snap["params"]:
+        assert now[name] is p, name
+        assert p.data_ptr() == ptr, f"{name}: .data rebound"
+        assert torch.equal(p, value), f"{name} written"
+        assert p.requires_grad == requires_grad, name
+        assert (p.grad is None) == (grad is None), f"{name}.grad"
+        if grad is not None:
+            assert p.grad is grad[0] and torch.equal(p.grad, grad[1]), f"{name}.grad"
+    buffers = dict(model.named_buffers())
+    for name, b, value, ptr in snap["buffers"]:
+        assert buffers[name] is b and b.data_ptr() == ptr, f"{name} rebound"
+        assert torch.equal(b, value), f"{name} written"
+    assert model.t is snap["t"][0] and torch.equal(model.t, snap["t"][1]), "t"
+    state, before = opt.state_dict(), snap["opt"]
+    assert state["param_groups"] == before["param_groups"]
+    for k, s in before["state"].items():
+        assert torch.equal(state["state"][k]["momentum_buffer"], s["momentum_buffer"])
+
+
+def _trained(model: nn.Module) -> torch.optim.Optimizer:
+    """One eager step: gradients and momentum exist when the pipe is refused."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    F.mse_loss(model(torch.randn(4, 4)), torch.randn(4, 2)).backward()
+    opt.step()
+    F.mse_loss(model(torch.randn(4, 4)), torch.randn(4, 2)).backward()
+    return opt
+
+
+_REFUSED = ["data", "no_grad", "copy", "detach", "all_parameters", "data_rebound",
+            "buffer_rebound", "attribute", "requires_grad", "grad"]
+
+
+@pytest.mark.parametrize("how", _REFUSED)
+def test_a_refused_model_keeps_every_parameter_buffer_gradient_and_optimizer_state(how):
+    """On main the rehearsal before the fx fallback left parameters written (``.data``,
+    under no_grad, copy_, detach), rebound (``.data = ``), a buffer rebound to a torch.fx
+    Proxy, and a tensor attribute written, a parameter's requires_grad and .grad changed
+    (those three were even accepted: the program never repeats them, eager does)."""
+    torch.manual_seed(0)
+    model = _Writes("none")
+    opt = _trained(model)
+    model.how = how
+    snap = _snapshot(model, opt)
+    with pytest.raises(RoundPipeError):
+        RoundPipe(model, devices=["cpu"] * 2).forward_backward(
+            input_args=(torch.randn(4, 4),), label=torch.randn(4, 2), loss_fn=F.mse_loss)
+    _assert_unchanged(model, opt, snap)
+
+
+@pytest.mark.parametrize("how", ["data", "attribute"])
+def test_a_refused_call_keeps_the_state(how):
+    """``pipe(x)`` traces the same way."""
+    torch.manual_seed(0)
+    model = _Writes("none")
+    opt = _trained(model)
+    model.how = how
+    snap = _snapshot(model, opt)
+    with pytest.raises(RoundPipeError):
+        RoundPipe(model, devices=["cpu"] * 2)(torch.randn(4, 4))
+    _assert_unchanged(model, opt, snap)
+
+
+def test_a_tensor_attribute_written_under_export_is_put_back():
+    """Non-strict export runs the forward on fake parameters and buffers but on the real
+    plain tensor attributes: the write (refused) was left on the attribute."""
+    torch.manual_seed(0)
+    model = _Writes("none", fx=False)
+    opt = _trained(model)
+    model.how = "attribute"
+    snap = _snapshot(model, opt)
+    with pytest.raises(ModelError, match="tensor attribute t"):
+        RoundPipe(model, devices=["cpu"] * 2).forward_backward(
+            input_args=(torch.randn(4, 4),), label=torch.randn(4, 2), loss_fn=F.mse_loss)
+    _assert_unchanged(model, opt, snap)
+
+
+class _Leaf(nn.Linear):
+    def __init__(self, how: str) -> None:
+        super().__init__(4, 4)
+        self.how = how
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        if self.how == "parameter_data":
+            self.weight.data.clamp_(-0.2, 0.2)
+        elif self.how == "parameter_no_grad":
+            with torch.no_grad():
+                self.weight.mul_(0.9)
+        elif self.how == "buffer":
+            with torch.no_grad():
+                self.total.add_(x.mean(0))
+        elif self.how == "buffer_data":
+            self.total.data.add_(x.detach().mean(0))
+        return super().forward(x) + self.total
+
+
+class _WithLeaf(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.leaf = _Leaf(how)
+        self.head = nn.Linear(4, 2)
+        self.t = torch.ones(2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.leaf(torch.tanh(self.first(x)))))
+
+
+@pytest.mark.parametrize("how", ["parameter_data", "parameter_no_grad"])
+def test_an_opaque_module_writing_its_parameter_is_refused_untouched(how):
+    """A leaf runs on the device's copies of its parameters: its write was lost after the
+    first step (0.23 off on the leaf's weight after 2 steps, silently), and the recording
+    run had written the model's own weight once."""
+    torch.manual_seed(0)
+    model = _WithLeaf("none")
+    opt = _trained(model)
+    model.leaf.how = how
+    snap = _snapshot(model, opt)
+    with pytest.raises(ModelError, match="leaf writes its parameter leaf.weight in place"):
+        RoundPipe(model, devices=["cpu"] * 2, leaf_modules=["leaf"]).forward_backward(
+            input_args=(torch.randn(4, 4),), label=torch.randn(4, 2), loss_fn=F.mse_loss)
+    _assert_unchanged(model, opt, snap)
+
+
+@pytest.mark.parametrize("how", ["buffer", "buffer_data"])
+def test_an_accepted_buffer_write_in_an_opaque_module_is_made_once_per_call(how):
+    """The recording run's write is undone: the program makes it at each microbatch, as
+    eager's loop does (through ``.data`` too, which the version counter does not see)."""
+    torch.manual_seed(0)
+    model = _WithLeaf(how)
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2, leaf_modules=["leaf"],
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        got = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        pipe.step(opt)
+        pipe.synchronize()
+        want = 0.0
+        for a, b in zip(x.chunk(2), y.chunk(2)):
+            loss = F.mse_loss(eager(a), b)
+            loss.backward()
+            want = want + loss.detach()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert pipe.plan.program.trace_method == "export-leaves"
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    pipe.close()
+
+
+# --- the guard itself -------------------------------------------------------------------------
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        flat = torch.randn(20)
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+        self.b.weight = self.a.weight  # tied
+        self.register_buffer("flat", flat)
+        self.register_buffer("view", flat[4:12].view(2, 4))  # a view of another buffer
+        self.a.weight.grad = torch.randn(2, 4)
+
+
+_WRITES = {
+    "data": lambda m: m.a.weight.data.mul_(2),
+    "no_grad": lambda m: m.b.weight.add_(1),  # through the tie
+    "copy": lambda m: m.a.bias.copy_(torch.zeros(2)),
+    "view": lambda m: m.view.fill_(3),  # reaches flat's storage
+    "out": lambda m: torch.add(m.flat, 1, out=m.flat),
+    "foreach": lambda m: torch._foreach_mul_([m.a.bias, m.b.bias], 0.5),
+    "grad": lambda m: m.a.weight.grad.zero_(),
+    "grad_rebound": lambda m: setattr(m.a.weight, "grad", None),
+    "data_rebound": lambda m: setattr(m.b.bias, "data", torch.zeros(3)),
+    "requires_grad": lambda m: m.a.bias.requires_grad_(False),
+    "buffer_rebound": lambda m: setattr(m, "flat", torch.zeros(20)),
+    "parameter_registered": lambda m: m.register_parameter("extra", nn.Parameter(
+        torch.zeros(1))),
+    "set_": lambda m: m.a.bias.set_(torch.zeros(5)),
+    "resize_same": lambda m: m.flat.resize_(20),
+}
+_STORAGES_WRITTEN = {"foreach": 2, "data_rebound": 0, "grad_rebound": 0, "requires_grad": 0,
+                     "buffer_rebound": 0, "parameter_registered": 0, "resize_same": 1}
+
+
+@pytest.mark.parametrize("what", sorted(_WRITES))
+def test_the_guard_puts_every_kind_of_write_back_and_copies_only_what_is_written(what):
+    torch.manual_seed(0)
+    model = _Tied()
+    with torch.no_grad():
+        state = {n: (t, t.clone(), t.data_ptr(), t.requires_grad)
+                 for n, t in model.state_dict(keep_vars=True).items()}
+        grad = model.a.weight.grad
+        grad_value = grad.clone()
+        with state_kept(model) as changes:
+            _WRITES[what](model)
+            copied = len(changes.mode.saved)
+    assert changes, what
+    assert model.state_dict(keep_vars=True).keys() == state.keys()
+    for name, (t, value, ptr, requires_grad) in state.items():
+        now = model.state_dict(keep_vars=True)[name]
+        assert now is t and now.data_ptr() == ptr and now.shape == value.shape, name
+        assert torch.equal(now, value) and now.requires_grad == requires_grad, name
+    assert model.a.weight.grad is grad and torch.equal(grad, grad_value)
+    assert model.view.data_ptr() == model.flat.data_ptr() + 4 * model.flat.element_size()
+    # copy-on-write: a storage is copied only when written
+    assert copied == _STORAGES_WRITTEN.get(what, 1), copied
+
+
+@pytest.mark.parametrize("how", ["resize_", "resize_as_"])
+def test_a_resize_that_may_move_the_storage_is_refused_before_it_runs(how):
+    """Nothing could give a storage its address back: refused, and nothing written."""
+    torch.manual_seed(0)
+    model = _Tied()
+    value, ptr = model.flat.clone(), model.flat.data_ptr()
+    with pytest.raises(ModelError, match="resizes flat in place"):
+        with torch.no_grad(), state_kept(model):
+            if how == "resize_":
+                model.flat.data.resize_(40)
+            else:
+                model.flat.resize_as_(torch.zeros(40))
+    assert model.flat.data_ptr() == ptr and torch.equal(model.flat, value)
+
+
+def test_the_guard_copies_nothing_for_a_forward_that_writes_nothing():
+    torch.manual_seed(0)
+    model = _Writes("none", fx=False)
+    with state_kept(model) as changes:
+        model(torch.randn(4, 4))
+        copied = dict(changes.mode.saved)
+    assert not changes and not copied
