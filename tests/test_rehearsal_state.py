@@ -173,6 +173,8 @@ class _Leaf(nn.Linear):
         elif self.how == "parameter_no_grad":
             with torch.no_grad():
                 self.weight.mul_(0.9)
+        elif self.how == "requires_grad":
+            self.bias.requires_grad_(False)
         elif self.how == "buffer":
             with torch.no_grad():
                 self.total.add_(x.mean(0))
@@ -204,6 +206,18 @@ def test_an_opaque_module_writing_its_parameter_is_refused_untouched(how):
     model.leaf.how = how
     snap = _snapshot(model, opt)
     with pytest.raises(ModelError, match="leaf writes its parameter leaf.weight in place"):
+        RoundPipe(model, devices=["cpu"] * 2, leaf_modules=["leaf"]).forward_backward(
+            input_args=(torch.randn(4, 4),), label=torch.randn(4, 2), loss_fn=F.mse_loss)
+    _assert_unchanged(model, opt, snap)
+
+
+def test_an_opaque_module_changing_requires_grad_is_refused_untouched():
+    torch.manual_seed(0)
+    model = _WithLeaf("none")
+    opt = _trained(model)
+    model.leaf.how = "requires_grad"
+    snap = _snapshot(model, opt)
+    with pytest.raises(ModelError, match="changes leaf.bias.requires_grad"):
         RoundPipe(model, devices=["cpu"] * 2, leaf_modules=["leaf"]).forward_backward(
             input_args=(torch.randn(4, 4),), label=torch.randn(4, 2), loss_fn=F.mse_loss)
     _assert_unchanged(model, opt, snap)

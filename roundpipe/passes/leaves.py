@@ -275,6 +275,12 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
     finally:
         for h in handles:
             h.remove()
+    if guard[0].flags:  # (put back, as all else)
+        raise ModelError(
+            f"{type(model).__name__}'s forward changes {guard[0].flags[0]} of the model "
+            "itself (seen when its opaque modules' calls were recorded): the traced "
+            "program never makes that change, where eager PyTorch makes it at every call. "
+            "Set requires_grad and .grad outside the forward")
     return calls
 
 
