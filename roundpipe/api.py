@@ -732,7 +732,8 @@ class RoundPipe:
                 if getattr(e, "example_error", None) is None or not per_mb:
                     raise
                 # The model cannot run one microbatch: say it of the batch the user passed.
-                refuse_unrunnable_example(self.model, full_args, full_kwargs)
+                refuse_unrunnable_example(self.model, full_args, full_kwargs,
+                                          rebind_attributes="always")  # (refused anyway)
                 raise TraceError(
                     f"{e} (a microbatch of the {len(mbs)} the batch is split into; the "
                     f"whole batch, {describe_tensors(full_args, full_kwargs)}, runs: use "

@@ -36,10 +36,14 @@ class _Writes(nn.Module):
         self.head = nn.Linear(4, 2)
         self.register_buffer("seen", torch.zeros(2))
         self.t = torch.ones(2)  # a plain tensor attribute
+        self.cache = None
 
     def forward(self, x):
         how = self.how
-        if how == "data":
+        if how == "cache_then_data":  # a cache the forward fills, then a refused write
+            self.cache = torch.zeros(2)
+            self.head.weight.data.clamp_(-0.2, 0.2)
+        elif how == "data":
             self.head.weight.data.clamp_(-0.2, 0.2)
         elif how == "no_grad":
             with torch.no_grad():
@@ -98,6 +102,8 @@ def _assert_unchanged(model: nn.Module, opt: torch.optim.Optimizer, snap: dict) 
         assert buffers[name] is b and b.data_ptr() == ptr, f"{name} rebound"
         assert torch.equal(b, value), f"{name} written"
     assert model.t is snap["t"][0] and torch.equal(model.t, snap["t"][1]), "t"
+    if hasattr(model, "cache"):
+        assert model.cache is None, "cache"
     state, before = opt.state_dict(), snap["opt"]
     assert state["param_groups"] == before["param_groups"]
     for k, s in before["state"].items():
@@ -113,7 +119,7 @@ def _trained(model: nn.Module) -> torch.optim.Optimizer:
     return opt
 
 
-_REFUSED = ["data", "no_grad", "copy", "detach", "all_parameters", "data_rebound",
+_REFUSED = ["cache_then_data", "data", "no_grad", "copy", "detach", "all_parameters", "data_rebound",
             "buffer_rebound", "attribute", "requires_grad", "grad"]
 
 

@@ -269,7 +269,8 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
     from .state_guard import state_kept  # (imports this module)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                intercept_register_hook(on_register), state_kept(model) as changes:
+                intercept_register_hook(on_register), \
+                state_kept(model, rebind_attributes="on_failure") as changes:
             guard.append(changes)
             model(*args, **kwargs)
     finally:

@@ -155,8 +155,8 @@ def _layout(t: torch.Tensor) -> tuple[Any, ...]:
 
 @contextlib.contextmanager
 def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ...] = (),
-               copy_on_write: bool = True, copy_attributes: bool = False
-               ) -> Iterator[StateChanges]:
+               copy_on_write: bool = True, copy_attributes: bool = False,
+               rebind_attributes: str = "always") -> Iterator[StateChanges]:
     """While active, the model's parameters, buffers and tensor attributes (and the
     ``extra`` named tensors) may be written by real code; on exit every one is put back
     exactly: the module's registries (``_parameters``, ``_buffers``, tensor attributes),
@@ -167,10 +167,16 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
     mode): only the bindings are watched, which is enough for parameters and buffers,
     since export runs the forward on fake copies of them; ``copy_attributes``: the plain
     tensor attributes, which export runs on for real (constants, typically small), are
-    copied up front and put back when written."""
+    copied up front and put back when written.
+
+    ``rebind_attributes``: when a plain tensor attribute that the run set to another
+    tensor (or to a tensor from None or nothing) is set back: ``"always"`` or only when
+    the run raises (``"on_failure"``).  A trace that succeeds keeps such caches (a
+    recurrent block's state, set by its forward), which the program may hold as constants:
+    put back, the previous tensor would be stale (it may even carry a freed graph)."""
     modules = list(model.named_modules(remove_duplicate=True))
     tables = [(m, dict(m._parameters), dict(m._buffers),
-               {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)
+               {k: v for k, v in vars(m).items() if v is None or isinstance(v, torch.Tensor)
                 and not isinstance(v, torch.nn.Parameter)}) for _, m in modules]
     named = (list(model.named_parameters(remove_duplicate=False))
              + list(model.named_buffers(remove_duplicate=False))
@@ -194,12 +200,17 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
                 copies[key] = (t.untyped_storage(), t.untyped_storage().clone(), name)
     mode = _CopyOnWrite(watched) if copy_on_write else None
     changes = StateChanges(mode=mode)
+    failed = False
     try:
         with mode if mode is not None else contextlib.nullcontext():
             yield changes
+    except BaseException:
+        failed = True
+        raise
     finally:
         changes.mode = None
-        _put_back(modules, tables, tensors, changes)
+        _put_back(modules, tables, tensors, changes,
+                  attributes=rebind_attributes == "always" or failed)
         for storage, copy, name in copies.values():
             if not torch.equal(_bytes(storage), _bytes(copy)):
                 changes.written.append(name)
@@ -216,7 +227,7 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 def _put_back(modules: list[tuple[str, torch.nn.Module]], tables: list[Any],
-              tensors: dict[int, _Tensor], changes: StateChanges) -> None:
+              tensors: dict[int, _Tensor], changes: StateChanges, attributes: bool) -> None:
     for (path, module), (_, params, buffers, attrs) in zip(modules, tables):
         prefix = f"{path}." if path else ""
         for table, saved in ((module._parameters, params), (module._buffers, buffers)):
@@ -228,10 +239,22 @@ def _put_back(modules: list[tuple[str, torch.nn.Module]], tables: list[Any],
                     changes.rebound.append(prefix + k)
                     table[k] = v
                 module.__dict__.pop(k, None)  # (shadowing the registry entry)
-        for k, v in attrs.items():
-            if module.__dict__.get(k, _MISSING) is not v:
+        if not attributes:
+            continue
+        for k, now in list(vars(module).items()):
+            before = attrs.get(k, _MISSING)
+            if now is not before and (isinstance(now, torch.Tensor) or before is not None
+                                      and before is not _MISSING) \
+                    and not isinstance(now, torch.nn.Parameter):
                 changes.rebound.append(prefix + k)
-                module.__dict__[k] = v
+                if before is _MISSING:
+                    del module.__dict__[k]
+                else:
+                    module.__dict__[k] = before
+        for k, before in attrs.items():
+            if k not in vars(module):  # deleted by the run
+                changes.rebound.append(prefix + k)
+                module.__dict__[k] = before
     with torch.no_grad():
         for entry in tensors.values():
             t = entry.tensor

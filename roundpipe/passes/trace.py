@@ -156,7 +156,12 @@ def trace(
     _refuse_sparse_gradients(model)
     # One trace at a time: export, and the block sharing inside it, patch nn.Module
     # process-wide while they run.
-    with _TRACE_LOCK, torch.set_grad_enabled(grad), fake_tensor_errors_to_debug():
+    # The model's state is put back whatever happens (tracing runs the user's code on real
+    # tensors in places); plain tensor attributes the forward rebinds (caches) only when
+    # the model is refused.
+    with _TRACE_LOCK, torch.set_grad_enabled(grad), fake_tensor_errors_to_debug(), \
+            state_kept(model, copy_on_write=False, copy_attributes=True,
+                       rebind_attributes="on_failure"):
         # The user's own hooks on the model (the passes below add theirs while tracing).
         _ROOT_HOOKS.ids = (frozenset(model._forward_pre_hooks),
                            frozenset(model._forward_hooks))
@@ -164,9 +169,7 @@ def trace(
             with _watch_buffer_reassignment(model) as (reassigned, kept_tensors), \
                     _watch_attribute_reads(model) as reads, \
                     _watch_plain_writes(model, reads) as plain_writes, \
-                    watch_forward_hooks(model) as hooks_watch, \
-                    state_kept(model, copy_on_write=False, copy_attributes=True):
-                # (the state is put back whatever happens: trace or refusal)
+                    watch_forward_hooks(model) as hooks_watch:
                 traced = _trace(model, example_args, example_kwargs,
                                 leaf_modules=leaf_modules, opaque_modules=opaque_modules,
                                 dynamic=dynamic, share_blocks=share_blocks)
@@ -472,20 +475,23 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
 
 
 def refuse_unrunnable_example(model: torch.nn.Module, args: tuple[Any, ...],
-                              kwargs: dict[str, Any]) -> None:
+                              kwargs: dict[str, Any], rebind_attributes: str = "on_failure"
+                              ) -> None:
     """Run ``model`` once eagerly on the example (in the caller's grad mode, as tracing
     does; parameters, buffers, plain tensor attributes and the CPU RNG are put back,
     see :mod:`roundpipe.passes.state_guard`) and raise
     :class:`TraceError` if it fails there:
     a wrong example, not a tracing problem.  The error's ``example_error`` is the model's
-    own exception (``original`` too)."""
+    own exception (``original`` too).  ``rebind_attributes``: see
+    :func:`roundpipe.passes.state_guard.state_kept` (tensor caches the forward sets are kept
+    for the trace that follows unless ``"always"``)."""
     # on copies of the inputs: a model that writes its input in place (refused later,
     # with its own message) must not write the caller's tensors here
     args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (tuple(args), dict(kwargs)))
     try:
         # (a real call: hooks that keep its activations are not tracing's concern)
         with torch.random.fork_rng(devices=[]), hooks_unwatched(), \
-                state_kept(model) as changes:
+                state_kept(model, rebind_attributes=rebind_attributes) as changes:
             model(*args, **kwargs)
     except ModelError:  # the guard's refusal of what it could not undo
         raise
@@ -1421,7 +1427,7 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     initial_grad = torch.is_grad_enabled()
     with fx_records_grad_mode(tracer), inference_mode_as_no_grad(), \
             refuse_custom_backward(), _refuse_data_assignment(), \
-            state_kept(model) as changes:
+            state_kept(model, rebind_attributes="on_failure") as changes:
         graph = tracer.trace(model, concrete_args=concrete)
     if changes.written or changes.moved or changes.flags:
         # fx made graph values of parameters and buffers reached as module attributes;
