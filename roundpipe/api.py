@@ -42,6 +42,8 @@ from .passes.dtype_check import mixed_dtype_op
 from .passes.trace import describe_tensors, refuse_unrunnable_example
 from . import host_step
 from .plan import HostStepEstimate, InputSignature, StagePlan
+from .program_key import (changed_globals, changed_objects, global_reads, object_attributes,
+                          same_globals, same_objects)
 from .programs import CompiledProgram, plan_key, stage_layout, tracing_autocast
 from .runtime.call import autocast_state, memory_budget, microbatch_keys
 from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devices
@@ -598,17 +600,20 @@ class RoundPipe:
         identity) with the forward and backward hooks registered on its modules and
         globally.  A submodule replaced (``model.act = nn.ReLU()``) or a hook added or
         removed after a call used to keep the old program silently; a new key traces
-        again, as eager would run the new code.  One walk at every call (``modules()``
-        builds a path per module: twice its time on a 1,100-module model); a module
-        without hooks adds its id alone."""
+        again, as eager would run the new code.  So do each module's class (``m.__class__
+        = Other``), its class's ``forward`` and a ``forward`` set on the instance (a
+        monkeypatch).  One walk at every call (``modules()`` builds a path per module:
+        twice its time on a 1,100-module model); a module without hooks or its own
+        ``forward`` adds its id alone."""
         g = torch.nn.modules.module
         key: list[Any] = [tuple(g._global_forward_pre_hooks), tuple(g._global_forward_hooks),
                           tuple(g._global_backward_pre_hooks), tuple(g._global_backward_hooks)]
         training: list[bool] = []
+        kinds: list[type] = []
         seen: set[int] = set()
         stack = [self.model]
-        pop, push, add, flag, append = (stack.pop, stack.extend, seen.add, training.append,
-                                        key.append)
+        pop, push, add, flag, append, kind = (stack.pop, stack.extend, seen.add,
+                                              training.append, key.append, kinds.append)
         while stack:  # modules() order
             m = pop()
             i = id(m)
@@ -616,13 +621,17 @@ class RoundPipe:
                 continue
             add(i)
             flag(m.training)
+            kind(m.__class__)
             d = m.__dict__  # (Module.__init__ puts these there; attributes cost 2x)
             a, b, c, e = (d["_forward_pre_hooks"], d["_forward_hooks"],
                           d["_backward_pre_hooks"], d["_backward_hooks"])
-            append((i, tuple(a), tuple(b), tuple(c), tuple(e)) if a or b or c or e else i)
+            append((i, tuple(a), tuple(b), tuple(c), tuple(e), d.get("forward"))
+                   if a or b or c or e or "forward" in d else i)
             children = d["_modules"]
             if children:
                 push(reversed([x for x in children.values() if x is not None]))
+        append(tuple(kinds))
+        append(tuple([getattr(k, "forward", None) for k in dict.fromkeys(kinds)]))
         return tuple(training), tuple(key)
 
     def _check_rebound(self) -> None:
@@ -685,7 +694,9 @@ class RoundPipe:
             if entry.training == training and entry.modules == modules \
                     and entry.autocast == autocast and entry.grad == grad \
                     and _same_attributes(entry.attributes) \
-                    and (not entry.tensors or _same_tensors(entry.tensors)) and all(
+                    and (not entry.tensors or _same_tensors(entry.tensors)) \
+                    and (not entry.objects or same_objects(entry.objects)) \
+                    and (not entry.globals or same_globals(entry.globals)) and all(
                     matches(entry.plan.program.inputs, a, k) for a, k in mbs):
                 self._use_cap(entry, cap, cfg, mbs, full_args, full_kwargs)
                 self._current = entry
@@ -693,6 +704,11 @@ class RoundPipe:
         changed = next((c for e in self._compiled if e.modules == modules
                         for c in _changed_attributes(self.model, e.attributes, e.tensors)),
                        None)
+        if changed is None:
+            paths = {id(m): p for p, m in self.model.named_modules()}
+            changed = next(((c, False) for e in self._compiled if e.modules == modules
+                            for c in [*changed_objects(e.objects, paths),
+                                      *changed_globals(e.globals)]), None)
         if changed is not None:
             log.warning("roundpipe: %s changed since the call that traced %s: tracing "
                         "again (its value is a constant of the program; a value that "
@@ -776,6 +792,8 @@ class RoundPipe:
         entry.by_cap[(shapes, cap, cfg.num_microbatch, cfg.recompute_grain)] = (plan, executor)
         self._use_cap(entry, cap, cfg, mbs, full_args, full_kwargs)  # a larger later one
         entry.tensors = _tensor_attributes(reads, self.model)  # (as compiling left them)
+        entry.objects = object_attributes(reads)
+        entry.globals = global_reads(self.model)
         _refresh_tensor_keys(self._compiled, current, self.model)
         self._held = _held_state(self.model)  # (as tracing left them)
         self._compiled.append(entry)

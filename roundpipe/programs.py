@@ -58,6 +58,12 @@ class CompiledProgram:
     # holds as constants (trace's attribute_reads): another object, or an in-place write
     # (a new version), makes another program (see api._tensor_attributes).
     tensors: tuple = ()
+    # (module, attribute, digest, objects kept) of the other objects it read (a config,
+    # a dict, a list: roundpipe/program_key.py): another content makes another program.
+    objects: tuple = ()
+    # (globals dict, name, digest, objects kept) of the module globals its model's code
+    # may read (program_key.global_reads): another value makes another program.
+    globals: tuple = ()
     # Output merge plans by the way calls split the inputs (value -> dim).
     merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
     # Plans (and their executors) by (microbatch shapes, memory cap, num_microbatch,

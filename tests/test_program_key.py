@@ -5,12 +5,17 @@ the model changed between calls, where eager runs the model as it is now.
 * A registered parameter or buffer rebound (``m.buf = t``, ``m.head.weight =
   nn.Parameter(...)``, ``load_state_dict(sd, assign=True)``, a submodule replaced): the
   programs held the old tensors (losses 0.48 / 0.013 / 0.12 off in float64), and
-  gradients landed in the old parameter after a submodule was replaced."""
+  gradients landed in the old parameter after a submodule was replaced.
+* Values read other than plain module attributes: a config object's field
+  (``self.config.scale``), a dict, list or tuple attribute, a module-level global; a
+  submodule's ``forward`` monkeypatched or its class swapped (0.151 / 0.003 off)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import types
 
 import pytest
 import torch
@@ -189,3 +194,185 @@ def test_rebound_buffer_with_masters_is_taken():
         with torch.no_grad():
             torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-10)
     pipe.close()
+
+
+# --- values read other than plain attributes ----------------------------------------------
+
+GLOBAL_SCALE = 1.0
+GLOBAL_TABLE = {"shift": 0.0}
+
+
+class Cfg:  # transformers' PretrainedConfig pattern: a plain object
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self.act = "tanh"
+
+
+@dataclasses.dataclass
+class DataCfg:
+    gains: tuple = (1.0, 1.0)
+    nested: dict = dataclasses.field(default_factory=lambda: {"bias": [0.0]})
+
+
+class Layer(nn.Module):
+    def __init__(self, config: Cfg, dcfg: DataCfg) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+        self.config = config  # shared by every layer
+        self.dcfg = dcfg
+        self.table = {"scale": 1.0}
+        self.scales = [1.0, 1.0]
+
+    def forward(self, x):
+        h = self.lin(x) * self.config.scale * self.table["scale"] * self.scales[1]
+        h = torch.tanh(h) if self.config.act == "tanh" else torch.sigmoid(h)
+        return h * self.dcfg.gains[1] + self.dcfg.nested["bias"][0]
+
+
+class ConfigNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.dcfg = Cfg(), DataCfg()
+        self.layers = nn.ModuleList(Layer(self.config, self.dcfg) for _ in range(3))
+        self.head = nn.Linear(W, 2)
+        self.offsets = (0.0,)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x) * GLOBAL_SCALE + GLOBAL_TABLE["shift"] + self.offsets[0]
+
+
+def _edit(models, what: str, step: int) -> None:
+    global GLOBAL_SCALE
+    for m in models:
+        if what == "config_field":
+            m.config.scale = 1.0 + step
+        elif what == "config_str":
+            m.config.act = "sigmoid" if step % 2 else "tanh"
+        elif what == "dataclass_nested":
+            m.dcfg.nested["bias"][0] = 0.25 * step
+        elif what == "dataclass_tuple":
+            m.dcfg.gains = (1.0, 1.0 + step)
+        elif what == "dict_in_place":
+            m.layers[1].table["scale"] = 1.0 - 0.25 * step
+        elif what == "list_in_place":
+            m.layers[2].scales[1] = 1.0 + 0.5 * step
+        elif what == "tuple_rebound":
+            m.offsets = (0.5 * step,)
+    if what == "global":
+        GLOBAL_SCALE = 1.0 + step
+    elif what == "global_dict":
+        GLOBAL_TABLE["shift"] = 0.125 * step
+
+
+_EDITS = ["config_field", "config_str", "dataclass_nested", "dataclass_tuple",
+          "dict_in_place", "list_in_place", "tuple_rebound", "global", "global_dict"]
+
+
+@pytest.fixture
+def _globals_back():
+    global GLOBAL_SCALE
+    yield
+    GLOBAL_SCALE = 1.0
+    GLOBAL_TABLE["shift"] = 0.0
+
+
+@pytest.mark.usefixtures("_globals_back")
+@pytest.mark.parametrize("what", _EDITS)
+def test_forward_backward_follows_read_objects(what, traces, caplog):
+    """3 SGD steps with the value changed before steps 1 and 2, against eager's
+    per-microbatch loop; 2 and 1 devices bitwise; one trace per change (a config shared
+    by every layer is digested once), none when nothing changed."""
+    torch.manual_seed(0)
+    eager = ConfigNet()
+    models = [copy.deepcopy(eager), copy.deepcopy(eager)]
+    pipes = [RoundPipe(m, devices=["cpu"] * d,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=3))
+             for m, d in zip(models, (2, 1))]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models + [eager]]
+    with caplog.at_level(logging.WARNING, logger="roundpipe.api"):
+        for step in range(4):
+            if step in (1, 2):
+                _edit(models + [eager], what, step)
+            x, y = _batch(step)
+            losses = [p.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+                      for p in pipes]
+            want = sum(F.mse_loss(eager(a), b) for a, b in zip(x.chunk(3), y.chunk(3)))
+            want.backward()
+            torch.testing.assert_close(losses[0], want.detach(), rtol=0, atol=1e-10,
+                                       msg=f"step {step}")
+            assert torch.equal(losses[0], losses[1]), step
+            for p, opt in zip(pipes, opts):
+                p.step(opt)
+                p.synchronize()
+            opts[-1].step()
+            for opt in opts:
+                opt.zero_grad()
+    # each pipe: the first call and two changes (config_str's second change goes back to
+    # the first call's value, whose program is kept)
+    assert traces[0] == 2 * (2 if what == "config_str" else 3)
+    assert "changed since the call that traced" in caplog.text
+    for p in pipes:
+        p.close()
+
+
+@pytest.mark.usefixtures("_globals_back")
+@pytest.mark.parametrize("what", ["config_field", "dataclass_nested", "list_in_place",
+                                  "global_dict"])
+def test_pipe_call_follows_read_objects(what):
+    torch.manual_seed(0)
+    model = ConfigNet()
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    for step in range(3):
+        _edit([model, eager], what, step)
+        x, _ = _batch(step)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-10,
+                                       msg=f"step {step}")
+    pipe.close()
+
+
+class Doubled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("how", ["instance_forward", "class_swap", "class_forward"])
+def test_forward_replaced_between_calls(how, traces):
+    """A submodule's forward set on the instance (a monkeypatch), its class swapped, or
+    its class's forward replaced: the next call runs the new code, as eager."""
+    class Own(nn.Linear):  # a class of the test's own, so that patching it is contained
+        pass
+
+    torch.manual_seed(0)
+    model = Net()
+    model.blocks[1].__class__ = Own
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    x, y = _batch(0)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-10)
+    for m in (model, eager):
+        lin = m.blocks[1]
+        if how == "instance_forward":
+            lin.forward = types.MethodType(
+                lambda self, x: F.linear(x, self.weight, self.bias) * 3, lin)
+        elif how == "class_swap":
+            lin.__class__ = Doubled
+    if how == "class_forward":
+        Own.forward = lambda self, x: F.linear(x, self.weight, self.bias) * 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-10)
+    loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    want = sum(F.mse_loss(eager(a), b) for a, b in zip(x.chunk(3), y.chunk(3)))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=0, atol=1e-10)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10, msg=n)
+    assert traces[0] == 3  # no_grad before and after, then training
+    pipe.close()
+

@@ -115,6 +115,7 @@ class TracedGraph:
     # modules while traced, for every module of the reading module's class (copied blocks
     # read nothing), and of the attributes holding a constant slot's tensor: the program
     # holds them as constants (a tensor as a slot, or its values baked into the graph).
+    # Other objects of a module's __dict__ it read (a config, a dict, a list) too.
     attribute_reads: tuple[tuple[str, str], ...] = ()
 
 
@@ -235,6 +236,9 @@ def trace(
 _TRACE_LOCK = threading.Lock()
 
 _PLAIN_VALUES = (bool, int, float, str, type(None))
+# What Module.__init__ puts in a module's __dict__ (its tables, hooks, flags): not values
+# of the model's own.
+_INTERNALS = frozenset(vars(torch.nn.Module()))
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _ROUNDPIPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # torch's module classes' own forwards (Dropout.p, LayerNorm.eps, LeakyReLU.negative_slope)
@@ -277,18 +281,22 @@ def _watch_attribute_reads(model: torch.nn.Module) -> Iterator[_Reads]:
     (``RoundPipe`` compares them at every call); it used to keep the old value silently.
     ``training`` is keyed apart (its reads are in ``instances`` only); reads by torch's
     module classes count (``model.drop.p = 0.2`` after a call used to keep the traced p),
-    reads by the rest of torch's and by roundpipe's own code do not.  ``instances`` has
-    the plain values' reads only."""
+    reads by the rest of torch's and by roundpipe's own code do not.  Other objects in a
+    module's ``__dict__`` (a config object, a dict, list or tuple, a function) are
+    recorded too: their content is a constant of the program as well
+    (``self.config.scale``, ``self.scales[1]``; ``RoundPipe`` keys on a digest of it).
+    ``instances`` has the plain values' reads only."""
     modules = {id(m) for m in model.modules()}
     found = _Reads(set(), set())
     thread = threading.get_ident()
     getattribute = object.__getattribute__
-    tensor = torch.Tensor
+    module = torch.nn.Module
 
     def watched(self: torch.nn.Module, name: str) -> Any:
         value = getattribute(self, name)
         plain = type(value) in _PLAIN_VALUES
-        if ((plain or isinstance(value, tensor) and name in getattribute(self, "__dict__"))
+        if ((plain or name in getattribute(self, "__dict__") and name not in _INTERNALS
+             and not isinstance(value, module))
                 and not name.startswith("__") and id(self) in modules
                 and threading.get_ident() == thread
                 and _reads_for_the_model(sys._getframe(1).f_code.co_filename)):
