@@ -152,6 +152,26 @@ def _held_state(model: torch.nn.Module) -> tuple[list, list, list]:
     return tables, names, tensors
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _requires_grad(held: tuple[list, list, list] | None) -> bytes:
+    """The ``requires_grad`` of every parameter and buffer (``_held_state``): part of a
+    program's key, since the model's code may branch on it (``if h.requires_grad``) and
+    the program holds the side it took; a parameter frozen or unfrozen between calls
+    (``requires_grad_(False)``) traces again, once per set of flags (about 40 ns a
+    tensor)."""
+    return b"" if held is None else bytes(map(_REQUIRES_GRAD, held[2]))
+
+
+def _input_layout(mb: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[bool, bool], ...]:
+    """``requires_grad`` and ``is_contiguous()`` of each tensor of a microbatch's inputs:
+    part of a program's key beside the dtypes and shapes (``matches``), as the model's
+    code may branch on either (``if x.requires_grad``, ``if x.is_contiguous()``)."""
+    return tuple((t.requires_grad, t.is_contiguous()) for t in pytree.tree_leaves(mb)
+                 if isinstance(t, torch.Tensor))
+
+
 def _same_attributes(attributes: tuple[tuple[torch.nn.Module, str, Any], ...]) -> bool:
     """Whether the plain attributes a program read while traced still hold its values."""
     return all(_same_value(getattr(m, name, None), value) for m, name, value in attributes)
@@ -690,9 +710,14 @@ class RoundPipe:
         training, modules = self._model_key()
         autocast = self._autocast()
         cap = self._memory_cap(cfg)
+        inference = torch.is_inference_mode_enabled()
+        flags = _requires_grad(self._held)
+        layout = _input_layout(mbs[0])
         for entry in self._compiled:
             if entry.training == training and entry.modules == modules \
                     and entry.autocast == autocast and entry.grad == grad \
+                    and entry.flags == flags and entry.layout == layout \
+                    and entry.inference in (None, inference) \
                     and _same_attributes(entry.attributes) \
                     and (not entry.tensors or _same_tensors(entry.tensors)) \
                     and (not entry.objects or same_objects(entry.objects)) \
@@ -743,7 +768,8 @@ class RoundPipe:
                                    cost_scale=1.0 if per_mb else 1.0 / cfg.num_microbatch,
                                    device_model=self.device_model,
                                    leaf_modules=self.leaf_modules + self._found_leaves,
-                                   share_blocks=self.share_blocks, grad=grad)
+                                   share_blocks=self.share_blocks, grad=grad,
+                                   inference=inference)
             except TraceError as e:
                 if getattr(e, "example_error", None) is None or not per_mb:
                     raise
@@ -796,6 +822,9 @@ class RoundPipe:
         entry.globals = global_reads(self.model)
         _refresh_tensor_keys(self._compiled, current, self.model)
         self._held = _held_state(self.model)  # (as tracing left them)
+        entry.flags, entry.layout = _requires_grad(self._held), layout
+        entry.inference = inference if analysis.traced is not None \
+            and analysis.traced.reads_inference_mode else None
         self._compiled.append(entry)
         self._current = entry
         return entry

@@ -54,6 +54,7 @@ def analyze(
     leaf_modules: Sequence[str | type] = (),
     share_blocks: bool = True,
     grad: bool = True,
+    inference: bool = False,
 ) -> Analysis:
     """Trace ``model`` and estimate its per-unit costs.
 
@@ -65,13 +66,15 @@ def analyze(
         leaf_modules: modules (paths or classes) tracing keeps opaque.
         share_blocks: trace each distinct repeated block once (see :func:`trace`).
         grad: the grad mode the program serves (see :func:`trace`).
+        inference: whether it serves inference-mode calls (see :func:`trace`).
     """
     device_model = device_model or DeviceModel.for_device("cpu")
     # 1. trace: one flat graph, state as placeholders, tied weights deduplicated.
     tree = module_tree(model)
     roots = find_unit_roots(tree, resolve_leaf_modules(model, leaf_modules))
     traced = trace(model, tuple(example_args), dict(example_kwargs or {}), leaf_modules=roots,
-                   opaque_modules=leaf_modules, share_blocks=share_blocks, grad=grad)
+                   opaque_modules=leaf_modules, share_blocks=share_blocks, grad=grad,
+                   inference=inference)
     # Leaves found while tracing hide what is inside them.
     hidden = frozenset(resolve_leaf_modules(model, leaf_modules)) | frozenset(traced.leaves)
     layers = assign_units(traced, tree, hidden)

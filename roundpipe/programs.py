@@ -64,6 +64,14 @@ class CompiledProgram:
     # (globals dict, name, digest, objects kept) of the module globals its model's code
     # may read (program_key.global_reads): another value makes another program.
     globals: tuple = ()
+    # requires_grad of the model's parameters and buffers (api._requires_grad), and
+    # requires_grad / is_contiguous() of the first microbatch's input tensors
+    # (api._input_layout), when traced.
+    flags: bytes = b""
+    layout: tuple = ()
+    # The inference mode traced for where the model's code asked for it (None: it did
+    # not, and the program serves both).
+    inference: bool | None = None
     # Output merge plans by the way calls split the inputs (value -> dim).
     merge_plans: dict[tuple, OutputMergePlan] = field(default_factory=dict)
     # Plans (and their executors) by (microbatch shapes, memory cap, num_microbatch,

@@ -8,7 +8,11 @@ the model changed between calls, where eager runs the model as it is now.
   gradients landed in the old parameter after a submodule was replaced.
 * Values read other than plain module attributes: a config object's field
   (``self.config.scale``), a dict, list or tuple attribute, a module-level global; a
-  submodule's ``forward`` monkeypatched or its class swapped (0.151 / 0.003 off)."""
+  submodule's ``forward`` monkeypatched or its class swapped (0.151 / 0.003 off).
+* Modes and flags: a branch on ``torch.is_inference_mode_enabled()`` (no_grad and
+  inference_mode calls shared a program: 0.254 off), on an input's ``requires_grad`` or
+  ``is_contiguous()``, on a parameter's ``requires_grad`` after ``requires_grad_(False)``
+  (0.151 / 0.453 / 1e-3 off)."""
 
 from __future__ import annotations
 
@@ -376,3 +380,135 @@ def test_forward_replaced_between_calls(how, traces):
     assert traces[0] == 3  # no_grad before and after, then training
     pipe.close()
 
+
+# --- modes and flags ---------------------------------------------------------------------
+
+class Branches(nn.Module):
+    """Branches on what the key now holds: an input's requires_grad and layout, a
+    parameter's requires_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(W, W)
+        self.rest = nn.ModuleList(nn.Linear(W, W) for _ in range(2))
+        self.head = nn.Linear(W, 2)
+
+    def forward(self, x):
+        h = self.first(x)
+        if h.requires_grad:  # the first layer's parameters (or x) require grad
+            h = h * 1.5
+        if x.requires_grad:
+            h = h - 0.25
+        if not x.is_contiguous():
+            h = h * 0.75
+        for layer in self.rest:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+class InferenceBranch(Net):
+    def forward(self, x):
+        y = super().forward(x)
+        return y * 0.5 if torch.is_inference_mode_enabled() else y
+
+
+@pytest.mark.parametrize("order", [("no_grad", "inference", "no_grad"),
+                                   ("inference", "no_grad", "inference"),
+                                   ("grad", "inference", "grad")])
+def test_inference_mode_branch(order, traces):
+    torch.manual_seed(0)
+    model = InferenceBranch()
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    x, _ = _batch(0)
+    modes = {"no_grad": torch.no_grad, "inference": torch.inference_mode,
+             "grad": torch.enable_grad}
+    for mode in order:
+        with modes[mode]():
+            out, want = pipe(x), model(x)
+        torch.testing.assert_close(out.detach(), want.detach(), rtol=0, atol=1e-10,
+                                   msg=mode)
+    assert traces[0] == 2  # the third call reuses the first's program
+    pipe.close()
+
+
+def test_a_model_that_does_not_ask_shares_its_program_across_inference_mode(traces):
+    torch.manual_seed(0)
+    model = Net()
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    x, _ = _batch(0)
+    for ctx in (torch.no_grad, torch.inference_mode, torch.no_grad):
+        with ctx():
+            torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-10)
+    assert traces[0] == 1
+    pipe.close()
+
+
+def _eager_loop(model, x, y, n):
+    return sum(F.mse_loss(model(a), b) for a, b in zip(x.tensor_split(n), y.tensor_split(n)))
+
+
+@pytest.mark.parametrize("nmb", [1, 3])
+def test_parameter_requires_grad_between_calls(nmb, traces):
+    """The first layer frozen before step 1, unfrozen before step 2, over 3 SGD steps
+    against eager's per-microbatch loop; step 3 (frozen again) reuses step 1's program."""
+    torch.manual_seed(0)
+    eager = Branches()
+    models = [copy.deepcopy(eager), copy.deepcopy(eager)]
+    pipes = [RoundPipe(m, devices=["cpu"] * d,
+                       model_run_config=RoundPipeRunConfig(num_microbatch=nmb))
+             for m, d in zip(models, (2, 1))]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models + [eager]]
+    for step in range(4):
+        for m in models + [eager]:
+            m.first.requires_grad_(step % 2 == 0)
+        x, y = _batch(step)
+        losses = [p.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+                  for p in pipes]
+        want = _eager_loop(eager, x, y, nmb)
+        want.backward()
+        torch.testing.assert_close(losses[0], want.detach(), rtol=0, atol=1e-10,
+                                   msg=f"step {step}")
+        assert torch.equal(losses[0], losses[1]), step
+        for (n, p), q in zip(models[0].named_parameters(), eager.parameters()):
+            if q.grad is None:
+                assert p.grad is None, n
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10, msg=n)
+        for p, opt in zip(pipes, opts):
+            p.step(opt)
+            p.synchronize()
+        opts[-1].step()
+        for opt in opts:
+            opt.zero_grad()
+    assert traces[0] == 2 * 2
+    for p in pipes:
+        p.close()
+
+
+@pytest.mark.parametrize("front", ["fb", "call"])
+def test_input_requires_grad_and_layout(front, traces):
+    """An input that requires grad, then one that does not; a contiguous input, then a
+    transposed one of the same shape: each traces its own program, exact as eager."""
+    torch.manual_seed(0)
+    model = Branches()
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    cases = [(True, True), (False, True), (False, False), (True, True)]
+    for step, (rg, contiguous) in enumerate(cases):
+        x, y = _batch(step)
+        if not contiguous:
+            x = x.t().contiguous().t()
+        x.requires_grad_(rg)
+        if front == "fb":
+            loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+            want = F.mse_loss(model(x), y).detach()
+            torch.testing.assert_close(loss, want, rtol=0, atol=1e-10, msg=str(step))
+        else:
+            with torch.no_grad():
+                torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-10,
+                                           msg=str(step))
+    assert traces[0] == 3  # the last case is the first's
+    model.zero_grad()
+    pipe.close()

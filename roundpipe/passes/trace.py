@@ -117,6 +117,9 @@ class TracedGraph:
     # holds them as constants (a tensor as a slot, or its values baked into the graph).
     # Other objects of a module's __dict__ it read (a config, a dict, a list) too.
     attribute_reads: tuple[tuple[str, str], ...] = ()
+    # Whether the model's code asked torch.is_inference_mode_enabled() while traced (the
+    # program then serves calls of the inference mode it was traced for only).
+    reads_inference_mode: bool = False
 
 
 def trace(
@@ -129,6 +132,7 @@ def trace(
     dynamic: bool = True,
     share_blocks: bool = True,
     grad: bool = True,
+    inference: bool = False,
 ) -> TracedGraph:
     """Trace ``model`` on the example inputs.
 
@@ -148,6 +152,9 @@ def trace(
             the program will serve: Python branches on ``torch.is_grad_enabled()`` or on
             ``requires_grad``, such as ``nn.MultiheadAttention``'s fast path, are fixed in
             the program).  Regions the model enters itself are marked relative to it.
+        inference: what ``torch.is_inference_mode_enabled()`` tells the model's code
+            (tracing itself cannot run in inference mode); whether it asked is
+            ``reads_inference_mode``.
 
     Raises:
         ModelError: the model has no parameters.
@@ -169,6 +176,7 @@ def trace(
         try:
             with _watch_buffer_reassignment(model) as (reassigned, kept_tensors), \
                     _watch_attribute_reads(model) as reads, \
+                    _inference_mode_as(inference) as asked, \
                     _watch_plain_writes(model, reads) as plain_writes, \
                     watch_forward_hooks(model) as hooks_watch:
                 traced = _trace(model, example_args, example_kwargs,
@@ -179,7 +187,8 @@ def trace(
         traced = dataclasses.replace(traced, attribute_reads=tuple(dict.fromkeys(
             [(path, name) for path, m in model.named_modules() for cls, name in sorted(
                 reads.classes, key=lambda r: (r[0].__qualname__, r[1])) if type(m) is cls]
-            + _constant_holders(model, traced.constants))))
+            + _constant_holders(model, traced.constants))),
+            reads_inference_mode=bool(asked))
         if hooks_watch.found:
             hooks = "; ".join(k.describe() for k in hooks_watch.found)
             raise ModelError(
@@ -268,6 +277,30 @@ def _reads_for_the_model(filename: str) -> bool:
 class _Reads:
     classes: set[tuple[type, str]]  # (module class, attribute)
     instances: set[tuple[int, str]]  # (id of the module, attribute)
+
+
+@contextlib.contextmanager
+def _inference_mode_as(inference: bool) -> Iterator[list[bool]]:
+    """``torch.is_inference_mode_enabled()`` answers ``inference`` to the model's own code
+    on the tracing thread (the calls the program serves run in that mode; tracing cannot),
+    and the list yielded gets an entry when it asked: a no_grad and an inference_mode call
+    used to share one program, so a branch on it took the first call's side."""
+    real = torch.is_inference_mode_enabled
+    thread = threading.get_ident()
+    asked: list[bool] = []
+
+    def answer() -> bool:
+        if threading.get_ident() == thread and _reads_for_the_model(
+                sys._getframe(1).f_code.co_filename):
+            asked.append(True)
+            return inference
+        return real()
+
+    torch.is_inference_mode_enabled = answer  # type: ignore[assignment]
+    try:
+        yield asked
+    finally:
+        torch.is_inference_mode_enabled = real  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
