@@ -74,6 +74,17 @@ def post_accumulate_hooks(t: torch.Tensor) -> tuple[Hook, ...]:
     return tuple(hooks.values()) if hooks else ()
 
 
+_GRAPH_FILE = torch.autograd.graph.__file__
+
+
+def _is_multi_grad_hook(hook: Hook) -> bool:
+    """Whether ``hook`` is one a ``register_multi_grad_hook`` put on a tensor (its inner
+    hook, "all" mode, or its wrapper, "any" mode: both defined in torch.autograd.graph)."""
+    code = getattr(hook, "__code__", None)
+    return code is not None and code.co_filename == _GRAPH_FILE and \
+        code.co_name in ("inner_hook", "wrapped_fn")
+
+
 def _while_registered(param: torch.Tensor, key: int, hook: Hook) -> Hook:
     """``hook`` (the tensor hook ``key`` of ``param``), skipped once its handle is removed:
     eager reads a parameter's hooks at every backward, so a hook that removes itself
@@ -134,6 +145,18 @@ def plan_hooks(host: HostState, program: ModelProgram, *, per_microbatch: bool,
             continue
         param = tensors[slot]
         hooks, post = tensor_hooks(param), post_accumulate_hooks(param)
+        if any(_is_multi_grad_hook(h) for h in hooks):
+            raise ParameterHookError(
+                f"parameter {spec.fqn!r} is one of the tensors of a "
+                "torch.autograd.graph.register_multi_grad_hook: roundpipe runs a "
+                "parameter's hooks on its gradient outside the backward that reaches the "
+                "parameter itself (on the device's copy, or on the host at the commit), "
+                "where that hook cannot count the tensors the backward will reach, so it "
+                "would never be called (eager calls it once per backward: once per "
+                "microbatch under forward_backward). Nothing was run. Ways out: a hook on "
+                "each parameter (p.register_hook runs once per microbatch, as in eager), "
+                "or do the work in the function passed to pipe.step, on the gradients of "
+                "pipe.optim_named_parameters()")
         if post and state.has_masters:
             raise ParameterHookError(
                 f"parameter {spec.fqn!r} has a post-accumulate-grad hook, but with "
