@@ -694,10 +694,11 @@ class RoundPipe:
                    "offload_dir, the disk tier holds the old tensor's optimizer state")
             raise ModelError(
                 f"parameter {names[0]!r}{f' (and {len(names) - 1} more)' if names[1:] else ''}"
-                f" of {type(self.model).__name__} is another object than when this "
-                "RoundPipe was made (rebound: m.weight = nn.Parameter(...), "
-                "load_state_dict(sd, assign=True), a submodule with parameters replaced, "
-                f"or one removed); with {why}, which the new one cannot take over exactly. "
+                f" of {type(self.model).__name__} is not the object this RoundPipe holds "
+                "(rebound: m.weight = nn.Parameter(...), load_state_dict(sd, assign=True), "
+                "a submodule with parameters replaced; or added or removed since the pipe "
+                f"was made); with {why}, which the model as it is now cannot take over "
+                "exactly. "
                 "Put the original parameter back and load new values with "
                 "pipe.load_state_dict(...), or make a new RoundPipe over the model as it "
                 "is now")
