@@ -340,6 +340,31 @@ def test_pipe_call_follows_read_objects(what):
     pipe.close()
 
 
+class ListGains(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gains = [torch.linspace(0.5, 1.5, 2)]  # a tensor in a list attribute
+
+    def forward(self, x):
+        return super().forward(x) * self.gains[0]
+
+
+def test_tensor_in_a_list_attribute_rebound(traces):
+    torch.manual_seed(0)
+    model = ListGains()
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    x, _ = _batch(0)
+    for step in range(3):
+        if step:
+            model.gains[0] = torch.full((2,), 1.0 + step)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-10,
+                                       msg=f"step {step}")
+    assert traces[0] == 3
+    pipe.close()
+
+
 class Doubled(nn.Linear):
     def forward(self, x):
         return super().forward(x) * 2
