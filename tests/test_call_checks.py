@@ -269,3 +269,57 @@ def test_a_forward_setting_a_flag_the_same_at_every_call_trains_exactly(front, h
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
     assert [m.training for m in model.modules()] == [m.training for m in eager.modules()]
 
+
+# --- 4. pipe(x) under torch.inference_mode() ---------------------------------------------------
+
+class Evaluated(nn.Module):
+    """Blocks with a batch norm (eval: running statistics), a call counter the forward
+    writes, and a dict output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+        self.norm = nn.BatchNorm1d(WIDTH)
+        self.head = CountedHead()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        for block in self.blocks:
+            x = torch.tanh(block(x)) * scale
+        x = self.norm(x)
+        return {"out": self.head(x), "hidden": x}
+
+
+@pytest.mark.parametrize("nmb", [1, 3])
+@pytest.mark.parametrize("first", ["inference_mode", "no_grad", "grad"])
+def test_pipe_call_under_inference_mode_equals_eager(nmb, first):
+    """The first call in inference mode used to be refused (MergeError) for any model
+    with more than one microbatch: export fails under the caller's inference mode and the
+    fx fallback proves no merge.  Now traced with the mode off (grad off), run under the
+    caller's: outputs and the counter equal eager's, inputs made in inference mode
+    (inference tensors) included, whichever mode the model was called in first."""
+    torch.manual_seed(0)
+    model = Evaluated().eval()
+    model.norm.running_mean.uniform_(-0.5, 0.5)
+    eager = copy.deepcopy(model)
+    x, scale = torch.randn(9, WIDTH), torch.rand(WIDTH) + 0.5  # (9: scale is not split)
+    with _pipe(model, nmb, masters=False) as pipe:
+        if first == "no_grad":
+            with torch.no_grad():
+                pipe(x, scale)
+                eager(x, scale)
+        elif first == "grad":
+            pipe(x, scale)["out"].sum().backward()
+            eager(x, scale)["out"].sum().backward()
+        for made_inside in (False, True):
+            with torch.inference_mode():
+                xi = torch.randn(9, WIDTH) if made_inside else x
+                got, want = pipe(xi, scale), eager(xi, scale)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+        assert torch.equal(model.head.calls, eager.head.calls)
+        # and afterwards grad mode still trains
+        pipe(x, scale)["out"].sum().backward()
+        pipe.synchronize()
+        eager(x, scale)["out"].sum().backward()
+        _assert_grads_equal(eager, _grads(pipe))
+

@@ -162,12 +162,17 @@ def trace(
             lists what was tried.
     """
     _refuse_sparse_gradients(model)
+    # Tracing cannot run in inference mode (export fails, and the fx fallback proves no
+    # output merge): it runs with the mode off, grad mode as ``grad`` says, on ordinary
+    # copies of inference tensors; the program then runs under the caller's mode.
+    example_args, example_kwargs = _ordinary_tensors((example_args, example_kwargs))
     # One trace at a time: export, and the block sharing inside it, patch nn.Module
     # process-wide while they run.
     # The model's state is put back whatever happens (tracing runs the user's code on real
     # tensors in places); plain tensor attributes the forward rebinds (caches) only when
     # the model is refused.
-    with _TRACE_LOCK, torch.set_grad_enabled(grad), fake_tensor_errors_to_debug(), \
+    with _TRACE_LOCK, torch.inference_mode(False), torch.set_grad_enabled(grad), \
+            fake_tensor_errors_to_debug(), \
             state_kept(model, copy_on_write=False, copy_attributes=True,
                        rebind_attributes="on_failure"):
         # The user's own hooks on the model (the passes below add theirs while tracing).
@@ -243,6 +248,18 @@ def trace(
 
 
 _TRACE_LOCK = threading.Lock()
+
+
+def _ordinary_tensors(tree: Any) -> Any:
+    """``tree`` with its inference tensors (made under ``torch.inference_mode()``)
+    replaced by ordinary copies, which code outside inference mode may use freely."""
+    if not any(isinstance(t, torch.Tensor) and t.is_inference()
+               for t in pytree.tree_leaves(tree)):
+        return tree
+    with torch.inference_mode(False):
+        return pytree.tree_map_only(torch.Tensor,
+                                    lambda t: t.clone() if t.is_inference() else t, tree)
+
 
 _PLAIN_VALUES = (bool, int, float, str, type(None))
 # What Module.__init__ puts in a module's __dict__ (its tables, hooks, flags): not values
