@@ -135,6 +135,28 @@ def _shapes(tag: Any, flat: Sequence[Any]) -> tuple:
                           for x in flat)
 
 
+def _refuse_small_batch(cfg: ResolvedRunConfig, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> None:
+    """``forward_backward`` on a batch of fewer samples than ``num_microbatch``: its
+    result is defined as eager's loop over ``num_microbatch`` microbatches, so it is not
+    run as fewer (``pipe(x)``, whose result is the whole batch's, is)."""
+    if cfg.num_microbatch <= 1 or cfg.split_input is not None:
+        return
+    try:
+        batch = batch_size_of(args, kwargs)
+    except InputError:
+        return  # (split_inputs says why)
+    if batch < cfg.num_microbatch:
+        raise InputError(
+            f"the batch has {batch} samples but num_microbatch={cfg.num_microbatch}: "
+            "forward_backward is eager's loop over num_microbatch microbatches of at least "
+            "one sample each (its loss is their sum; reduction='mean' divides by "
+            "num_microbatch), so a smaller batch is not split into fewer. Nothing was run. "
+            "For such a batch (an epoch's last), pass run_config=RoundPipeRunConfig("
+            f"num_microbatch={max(batch, 1)}) (one microbatch per sample, as "
+            "RoundPipeTrainer does), or drop it")
+
+
 def _held_state(model: torch.nn.Module) -> tuple[list, list, list]:
     """(tables, names, tensors) of every parameter and buffer of ``model``'s modules: the
     tables are the modules' own ``_parameters``/``_buffers`` dicts, so that a rebinding
@@ -1099,6 +1121,7 @@ class RoundPipe:
         with self._lock, diagnose_dtypes(self.model, input_args, input_kwargs), \
                 self._replica_call() as dp_call:
             cfg = self._config(run_config)
+            _refuse_small_batch(cfg, input_args, input_kwargs)
             if reduction == "mean":
                 divisor.append(cfg.num_microbatch)
             self._optimizer.raise_if_failed()
@@ -1430,7 +1453,7 @@ class RoundPipe:
         """
         current.called(self)
         with self._lock, diagnose_dtypes(self.model, tuple(args), dict(kwargs)):
-            cfg = self._config(run_config)
+            cfg = self._fit_to_batch(self._config(run_config), tuple(args), dict(kwargs))
             self._optimizer.raise_if_failed()
             record = cfg.requires_grad if cfg.requires_grad is not None \
                 else torch.is_grad_enabled()
@@ -1472,6 +1495,25 @@ class RoundPipe:
                     masters=self._state.has_masters, reread=reread)
 
     __call__ = forward
+
+    def _fit_to_batch(self, cfg: ResolvedRunConfig, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> ResolvedRunConfig:
+        """``pipe(x)`` on a batch of fewer samples than ``num_microbatch`` (an epoch's last
+        batch) runs one microbatch per sample, as the backend runs ``min(num_microbatch,
+        batch)``: its result is eager's on the whole batch whatever the split (the merge is
+        proven split-invariant).  Not with ``split_input`` (the callable says how many)
+        nor under data parallelism (replicas number their microbatches alike)."""
+        if cfg.num_microbatch <= 1 or cfg.split_input is not None or self._dp is not None:
+            return cfg
+        try:
+            batch = batch_size_of(args, kwargs)
+        except InputError:
+            return cfg  # (split_inputs says why)
+        if 0 < batch < cfg.num_microbatch:
+            log.debug("roundpipe: a batch of %d samples runs as %d microbatches, not %d",
+                      batch, batch, cfg.num_microbatch)
+            return dataclasses.replace(cfg, num_microbatch=batch)
+        return cfg
 
     def _backward_runner(self, entry: CompiledProgram, forward: RunResult, cfg: ResolvedRunConfig,
                          keys: list[RngKey | None]

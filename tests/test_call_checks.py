@@ -323,3 +323,57 @@ def test_pipe_call_under_inference_mode_equals_eager(nmb, first):
         eager(x, scale)["out"].sum().backward()
         _assert_grads_equal(eager, _grads(pipe))
 
+
+# --- 5. a batch smaller than num_microbatch --------------------------------------------------
+
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("masters", [False, True])
+def test_pipe_call_on_a_batch_smaller_than_num_microbatch_equals_eager(masters, devices):
+    """An epoch's last batch (fewer samples than num_microbatch) was refused by pipe(x)
+    (InputError), where the backend runs min(num_microbatch, batch) microbatches.  pipe(x)
+    means the whole batch's result, proven split-invariant, so it now does the same:
+    outputs, gradients and the head's call counter equal eager on the whole batch, for
+    every such size, between full batches, in grad mode and under no_grad."""
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    with _pipe(model, 4, masters, devices) as pipe:
+        for batch in (8, 3, 1, 2, 8):
+            x = torch.randn(batch, WIDTH)
+            with torch.no_grad():
+                torch.testing.assert_close(pipe(x), eager(x), rtol=1e-10, atol=1e-12)
+            out, want = pipe(x), eager(x)
+            torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+            out.square().sum().backward()
+            want.square().sum().backward()
+            pipe.synchronize()
+            _assert_grads_equal(eager, _grads(pipe))
+            assert torch.equal(model.head.calls, eager.head.calls)
+            assert pipe.plan.num_microbatch == min(batch, 4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_forward_backward_on_a_batch_smaller_than_num_microbatch_is_refused(batch):
+    """forward_backward's result is eager's loop over num_microbatch microbatches (loss
+    summed, reduction='mean' divides by it): not run as fewer, refused with the way out
+    before anything runs; that way out then equals eager's loop over the samples."""
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(batch, WIDTH), torch.randn(batch, 2)
+    with _pipe(model, 4, masters=False) as pipe:
+        with pytest.raises(InputError, match=f"the batch has {batch} samples but "
+                           r"num_microbatch=4: forward_backward is eager's loop.*"
+                           rf"RoundPipeRunConfig\(num_microbatch={batch}\)"):
+            pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        assert all(g is None for g in _grads(pipe).values())
+        assert model.head.calls.item() == 0
+        loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss,
+                                     run_config=RoundPipeRunConfig(num_microbatch=batch))
+        pipe.synchronize()
+        grads = _grads(pipe)
+    want = sum(F.mse_loss(eager(x[i:i + 1]), y[i:i + 1]) for i in range(batch))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
+    _assert_grads_equal(eager, grads)
+
