@@ -324,6 +324,25 @@ def test_pipe_call_under_inference_mode_equals_eager(nmb, first):
         _assert_grads_equal(eager, _grads(pipe))
 
 
+
+def test_an_input_made_in_inference_mode_trains_in_grad_mode():
+    """pipe(x) records for backward with an inference tensor as input: its version
+    counter, which the check of writes between the call and backward reads, does not
+    exist (torch's RuntimeError came out after the forward had run).  It is left out (it
+    cannot be written outside inference mode), and the gradients are eager's on a clone
+    (eager itself refuses to save an inference tensor for backward)."""
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    with torch.inference_mode():
+        x = torch.randn(6, WIDTH)
+    with _pipe(model, 3, masters=False) as pipe:
+        pipe(x).square().sum().backward()
+        pipe.synchronize()
+        grads = _grads(pipe)
+    eager(x.clone()).square().sum().backward()
+    _assert_grads_equal(eager, grads)
+
 # --- 5. a batch smaller than num_microbatch --------------------------------------------------
 
 @pytest.mark.parametrize("devices", [1, 3])

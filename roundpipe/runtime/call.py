@@ -73,8 +73,9 @@ SavedVersions = tuple[tuple[str, torch.Tensor, int], ...]
 def saved_versions(named: Iterable[tuple[str, torch.Tensor]]) -> SavedVersions:
     """(what, tensor, version) of each tensor a recorded forward's backward reads again:
     taken when the forward has ended, checked by :func:`refuse_modified_since` when its
-    backward starts."""
-    return tuple((what, t, t._version) for what, t in named)
+    backward starts.  An inference tensor (an input made under ``torch.inference_mode()``)
+    has no version counter: it cannot be written outside that mode, and is left out."""
+    return tuple((what, t, t._version) for what, t in named if not t.is_inference())
 
 
 def refuse_modified_since(saved: SavedVersions) -> None:
