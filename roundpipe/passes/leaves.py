@@ -206,7 +206,8 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
             before[path] = [(n, t, stamp(t)) for n, t in outside]
             before[path + "#own"] = [(n, t, stamp(t)) for n, t
                                      in module.named_buffers(remove_duplicate=False)]
-            before[path + "#params"] = [(n, t, stamp(t)) for n, t
+            # (the storage too: ``weight.data = ...`` moves it without a write)
+            before[path + "#params"] = [(n, t, (stamp(t), _where(t))) for n, t
                                         in module.named_parameters(remove_duplicate=False)]
             tensors = [x for x in pytree.tree_leaves((inputs, kw))
                        if isinstance(x, torch.Tensor)]
@@ -220,8 +221,17 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
             inputs_seen = before.pop(path + "#inputs", ())
             written_state = tuple(n for n, t, version in before.pop(path + "#own", ())
                                   if stamp(t) != version)
-            written_params = [n for n, t, version in before.pop(path + "#params", ())
-                              if stamp(t) != version]
+            params = before.pop(path + "#params", ())
+            written_params = [n for n, t, (version, _) in params if stamp(t) != version]
+            moved_params = [n for n, t, (_, where) in params if _where(t) != where]
+            if moved_params and not written_params:
+                raise ModelError(
+                    f"the opaque (leaf) module {path} gives its parameter "
+                    f"{path}.{moved_params[0]} another tensor in its forward (.data = ...); "
+                    "roundpipe runs a leaf on the device's copies of its parameters, so "
+                    "the change would be lost (eager PyTorch keeps it). Apply such "
+                    "constraints outside the forward (after the optimizer step), or let "
+                    "the module be traced (not a leaf)")
             if written_params:
                 raise ModelError(
                     f"the opaque (leaf) module {path} writes its parameter "
@@ -283,6 +293,12 @@ def _record_calls(model: torch.nn.Module, leaves: tuple[str, ...], args: tuple[A
             "program never makes that change, where eager PyTorch makes it at every call. "
             "Set requires_grad and .grad outside the forward")
     return calls
+
+
+def _where(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor's storage and layout (``.data = ...`` changes them, not the version)."""
+    return (tensor.untyped_storage().data_ptr(), tuple(tensor.shape), tensor.stride(),
+            tensor.storage_offset(), tensor.dtype, tensor.device)
 
 
 def _version(tensor: torch.Tensor) -> int | None:
