@@ -40,6 +40,8 @@ class StateChanges:
     rebound: list[str] = field(default_factory=list)  # a registry entry set to another
     moved: list[str] = field(default_factory=list)  # ``.data`` rebound (storage, shape, dtype)
     flags: list[str] = field(default_factory=list)  # requires_grad or .grad changed
+    # the storages written in place (by storage address), with the name they were seen by
+    written_storages: dict[int, str] = field(default_factory=dict)
 
     # the run's copy-on-write mode, while it runs (see ``writes``)
     mode: Any = field(default=None, repr=False, compare=False)
@@ -48,7 +50,7 @@ class StateChanges:
         """In-place writes seen so far to ``tensor``'s storage, when it is watched (through
         any alias: ``.data``, ``detach()``, a view); 0 otherwise.  A run's code can tell
         from it which call wrote what, where ``_version`` misses ``.data`` writes."""
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         return self.mode.counts.get(key, 0) if self.mode is not None else 0
 
     def __bool__(self) -> bool:
@@ -85,7 +87,7 @@ def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
     return found
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
+def storage_key(tensor: torch.Tensor) -> int | None:
     try:
         if tensor.layout != torch.strided or tensor.device.type == "meta":
             return None
@@ -111,7 +113,7 @@ class _CopyOnWrite(TorchDispatchMode):
             value = args[i] if i < len(args) else kwargs.get(name)
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor):
-                    key = _storage_key(t)
+                    key = storage_key(t)
                     if key is not None and key in self.watched:
                         if func in _RESIZES:
                             _refuse_resize(func, t, args, self.watched[key][1])
@@ -149,7 +151,7 @@ class _Tensor:
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
-    return (_storage_key(t), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+    return (storage_key(t), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
             t.device)
 
 
@@ -189,13 +191,13 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
         grad = t.grad if t.is_leaf else None
         tensors[id(t)] = _Tensor(t, name, t.detach(), t.requires_grad, grad, _layout(t))
         for value, label in ((t, name), (grad, f"{name}.grad")):
-            key = _storage_key(value) if value is not None else None
+            key = storage_key(value) if value is not None else None
             if key is not None and key not in watched:
                 watched[key] = (value.untyped_storage(), label)
     copies = {}
     if copy_attributes:
         for name, t in tensor_attributes(model):
-            key = _storage_key(t)
+            key = storage_key(t)
             if key is not None and key not in copies:
                 copies[key] = (t.untyped_storage(), t.untyped_storage().clone(), name)
     mode = _CopyOnWrite(watched) if copy_on_write else None
@@ -214,11 +216,13 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
         for storage, copy, name in copies.values():
             if not torch.equal(_bytes(storage), _bytes(copy)):
                 changes.written.append(name)
+                changes.written_storages[storage_key(_bytes(storage))] = name
                 storage.copy_(copy)
         if mode is not None:
             for key, copy in mode.saved.items():
                 storage, label = watched[key]
                 changes.written.append(label)
+                changes.written_storages[key] = label
                 storage.copy_(copy)
 
 

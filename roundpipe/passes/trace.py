@@ -53,7 +53,7 @@ from ..ops.hooks import mark_hooking
 from ..ops.modcall import call_module_functional, tensor_leaves
 from .forward_hooks import hooks_unwatched, watch_forward_hooks
 from .custom_backward import CustomBackwardFunction, refuse_custom_backward
-from .state_guard import state_kept
+from .state_guard import StateChanges, state_kept, storage_key
 from .leaves import (WRITES, failing_module, leaves_as_custom_ops, replace_opaque_calls,
                      tensor_attributes,
                      replaced_forward, resolve_leaf_modules, same_type_modules)
@@ -493,8 +493,9 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
                 model, example_args, example_kwargs, True, shared)))
         tries.append(("export-static", lambda: _trace_export_sharing(
             model, example_args, example_kwargs, False, shared)))
+    rehearsal: list[StateChanges] = []  # what the eager run before fx wrote
     tries.append(("fx", lambda: _trace_fx(model, example_args, example_kwargs,
-                                          frozenset(leaf_modules))))
+                                          frozenset(leaf_modules), rehearsal)))
     for method, attempt in tries:
         if method == "export-static" and attempts and fails_alike(attempts[-1][1]):
             # (the failure was not about dynamic shapes: a static export fails the same)
@@ -505,7 +506,8 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
             # torch.fx records no shapes: it would trace a model that cannot run this
             # example, and the first call would fail inside a stage.  Tell "the model
             # cannot run this input" from "export cannot trace this model" first.
-            refuse_unrunnable_example(model, example_args, example_kwargs)
+            rehearsal.append(refuse_unrunnable_example(model, example_args,
+                                                       example_kwargs))
         traced = _attempt(model, method, attempt, attempts)
         if traced is not None:
             return traced
@@ -534,7 +536,7 @@ def _trace(model: torch.nn.Module, example_args: tuple[Any, ...],
 
 def refuse_unrunnable_example(model: torch.nn.Module, args: tuple[Any, ...],
                               kwargs: dict[str, Any], rebind_attributes: str = "on_failure"
-                              ) -> None:
+                              ) -> StateChanges:
     """Run ``model`` once eagerly on the example (in the caller's grad mode, as tracing
     does; parameters, buffers, plain tensor attributes and the CPU RNG are put back,
     see :mod:`roundpipe.passes.state_guard`) and raise
@@ -570,6 +572,7 @@ def refuse_unrunnable_example(model: torch.nn.Module, args: tuple[Any, ...],
             "itself: the traced program never makes that change, where eager PyTorch "
             "makes it at every call (and the gradients follow it). Set requires_grad and "
             ".grad outside the forward")
+    return changes
 
 
 def describe_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -1464,7 +1467,8 @@ class _LeafTracer(torch.fx.Tracer):
 
 
 def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-              leaves: frozenset[str]) -> TracedGraph:
+              leaves: frozenset[str], rehearsal: list[StateChanges] | None = None
+              ) -> TracedGraph:
     sig = inspect.signature(model.forward)
     bound = sig.bind(*args, **kwargs)
     params = [p for p in sig.parameters.values()
@@ -1580,6 +1584,8 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     _refuse_parameter_writes(model, graph, {s.name: s.fqn for s in state
                                             if s.kind == "parameter"},
                              _torch_level_written_roots)
+    if rehearsal:
+        _refuse_writes_fx_missed(model, graph, state_tensors, rehearsal[-1])
 
     # Flat outputs from the returned structure.
     out_node = next(n for n in graph.nodes if n.op == "output")
@@ -1615,6 +1621,28 @@ def _trace_fx(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         method="fx",
         tensor_hooks=tuple(fx_hooks),
     )
+
+
+def _refuse_writes_fx_missed(model: torch.nn.Module, graph: torch.fx.Graph,
+                             state_tensors: dict[str, torch.Tensor],
+                             rehearsal: StateChanges) -> None:
+    """A parameter or buffer the eager rehearsal saw written in place, which the fx graph
+    does not write: the write happens inside one recorded call (``F.embedding`` with
+    ``max_norm`` renormalizes the weight), on the device's copy only, so the program would
+    drop it where eager PyTorch makes it at every call.  Refused, as export refuses it."""
+    graph_writes = {storage_key(state_tensors[name]) for node in graph.nodes
+                    for name in node.meta.get(MUTATES, ()) if name in state_tensors}
+    missed = [label for key, label in rehearsal.written_storages.items()
+              if key not in graph_writes]
+    if missed:
+        raise ModelError(
+            f"{type(model).__name__}'s forward writes {missed[0]} in place (seen when the "
+            "example ran eagerly) inside a call that torch.fx records as one operation "
+            "(nn.Embedding(max_norm=) renormalizes its weight in F.embedding); the "
+            "program would make that write on the device's copy only and drop it, where "
+            "eager PyTorch keeps it at every call. Apply such constraints outside the "
+            "forward (for example in the step, after the optimizer), or compute a new "
+            "tensor instead of writing it (nn.Embedding: use max_norm=None)")
 
 
 @contextlib.contextmanager
