@@ -359,3 +359,140 @@ def test_the_guard_copies_nothing_for_a_forward_that_writes_nothing():
         model(torch.randn(4, 4))
         copied = dict(changes.mode.saved)
     assert not changes and not copied
+
+
+# --- lazily filled state, tracing's stand-ins ------------------------------------------------
+
+class _Lazy(nn.Module):
+    """Fills ``mask`` on its first call (a buffer or a plain attribute, ``kind``); a
+    ``.data`` read makes export fail (after running the forward on fake tensors), so the
+    torch.fx fallback traces it."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.l1 = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.register_buffer("b", torch.zeros(()))
+
+    def forward(self, x):
+        if self.kind == "buffer" and "mask" not in self._buffers:
+            self.register_buffer("mask", torch.linspace(0.5, 1.5, 4), persistent=False)
+        elif self.kind == "plain" and not hasattr(self, "mask"):
+            self.mask = torch.linspace(0.5, 1.5, 4)
+        elif self.kind == "buffer_written" and "mask" not in self._buffers:
+            self.register_buffer("mask", torch.linspace(0.5, 1.5, 4), persistent=False)
+            self.mask.mul_(2.0)
+        return self.head(torch.tanh(self.l1(x) * self.mask)) + self.b.data.sum() * 0.0
+
+
+@pytest.mark.parametrize("kind", ["buffer", "plain"])
+def test_a_lazily_filled_cache_on_the_fx_fallback_equals_eager(kind):
+    """The failed export left a fake tensor in the cache (a buffer: the trace then failed
+    with a raw AttributeError; a plain attribute: pipe(x) gave NaN, forward_backward 0.28
+    off); the registration a real run makes is kept, as eager keeps it."""
+    torch.manual_seed(0)
+    model = _Lazy(kind)
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 4)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2, merge_output=0))
+    torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-12)
+    assert pipe.plan.program.trace_method == "fx"
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        got = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        pipe.step(opt)
+        pipe.synchronize()
+        want = 0.0
+        for a, b in zip(x.chunk(2), y.chunk(2)):
+            loss = F.mse_loss(eager(a), b)
+            loss.backward()
+            want = want + loss.detach()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    assert type(model.mask) is torch.Tensor and torch.equal(model.mask, eager.mask)
+    assert ("mask" in model._buffers) == (kind == "buffer")
+    pipe.close()
+
+
+def test_a_buffer_registered_and_written_in_the_same_call_is_refused_untouched():
+    """Kept, the registration would carry the rehearsal's write, which the program makes
+    again at its first call."""
+    torch.manual_seed(0)
+    model = _Lazy("buffer_written")
+    with pytest.raises(ModelError, match="registers mask and writes it in place"):
+        RoundPipe(model, devices=["cpu"] * 2)(torch.randn(4, 4))
+    assert "mask" not in model._buffers and not hasattr(model, "mask")
+
+
+class _KeepsLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.register_buffer("b", torch.zeros(()))
+        self.last = None
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        self.last = h.detach()  # (refused: the program would never set it)
+        return self.head(h) + self.b.data.sum() * 0.0
+
+
+def test_a_refused_model_gets_none_back_for_a_proxy_left_in_an_attribute():
+    """fx set ``last`` to a Proxy; the refusal left it there (None was put back only over
+    a tensor)."""
+    model = _KeepsLast()
+    with pytest.raises(ModelError, match="attribute last"):
+        RoundPipe(model, devices=["cpu"] * 2)(torch.randn(4, 4))
+    assert model.last is None
+
+
+def test_an_out_argument_resized_inside_the_kernel_is_refused_and_every_state_put_back():
+    """``add(out=)`` of another shape resizes the watched storage inside the kernel (the
+    resize_ refusal never sees it): the exit's copy raised, skipping every later restore."""
+    torch.manual_seed(0)
+    model = _Tied()
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(ModelError, match=r"resizes a.bias inside aten.add.out"):
+        with torch.no_grad(), state_kept(model):
+            model.a.weight.mul_(7)
+            model.flat.add_(1)
+            torch.add(torch.ones(100), 1, out=model.a.bias.data)
+    for name, value in state.items():
+        now = model.state_dict()[name]
+        assert now.shape == value.shape and torch.equal(now, value), name
+    assert model.a.bias.untyped_storage().nbytes() == 2 * model.a.bias.element_size()
+
+
+def test_a_restore_that_fails_skips_none_of_the_others(monkeypatch):
+    """Every restore of the exit is tried; the first error is raised after."""
+    import roundpipe.passes.state_guard as state_guard
+    torch.manual_seed(0)
+    model = _Tied()
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    restore, calls = state_guard._restore, []
+
+    def failing_first(storage, copy):
+        calls.append(storage)
+        if len(calls) == 1:
+            raise RuntimeError("the first restore fails")
+        restore(storage, copy)
+    monkeypatch.setattr(state_guard, "_restore", failing_first)
+    with pytest.raises(RuntimeError, match="the first restore fails"):
+        with torch.no_grad(), state_kept(model):
+            model.a.weight.mul_(7)
+            model.a.bias.mul_(7)
+            model.flat.add_(1)
+    assert len(calls) == 3
+    failed = calls[0]
+    for name, value in state.items():
+        now = model.state_dict()[name]
+        if now.untyped_storage().data_ptr() != failed.data_ptr():
+            assert torch.equal(now, value), name

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ModelError
@@ -42,6 +43,8 @@ class StateChanges:
     flags: list[str] = field(default_factory=list)  # requires_grad or .grad changed
     # the storages written in place (by storage address), with the name they were seen by
     written_storages: dict[int, str] = field(default_factory=dict)
+    # registered by the run and written after (not kept: see ``state_kept``)
+    lazy_written: list[str] = field(default_factory=list)
 
     # the run's copy-on-write mode, while it runs (see ``writes``)
     mode: Any = field(default=None, repr=False, compare=False)
@@ -109,6 +112,7 @@ class _CopyOnWrite(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        written = []
         for i, name in _written_arguments(func):
             value = args[i] if i < len(args) else kwargs.get(name)
             for t in value if isinstance(value, (list, tuple)) else (value,):
@@ -121,7 +125,20 @@ class _CopyOnWrite(TorchDispatchMode):
                             # (the mode is off inside its own handler: a plain copy)
                             self.saved[key] = self.watched[key][0].clone()
                         self.counts[key] = self.counts.get(key, 0) + 1
-        return func(*args, **kwargs)
+                        written.append((key, t, tuple(t.shape)))
+        out = func(*args, **kwargs)
+        for key, t, shape in written:
+            storage = self.watched[key][0]
+            if storage.data_ptr() != key or storage.nbytes() != self.saved[key].nbytes():
+                # an out= argument of another shape is resized inside the kernel; the
+                # exit gives the storage its size and bytes back, not its address
+                raise ModelError(
+                    f"the forward resizes {self.watched[key][1]} inside {func} (an out= "
+                    f"argument of shape {shape}, now {tuple(t.shape)}), which moved its "
+                    "storage: roundpipe runs the forward while tracing and could not put "
+                    "the model's state back exactly. Give the forward a new tensor (no "
+                    "out= into the model's state), or write a result of the same shape")
+        return out
 
 
 _RESIZES = frozenset({torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default})
@@ -211,19 +228,49 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
         raise
     finally:
         changes.mode = None
+        # each restore on its own: one that fails does not skip the others; the first
+        # error is raised once all were tried
+        errors: list[BaseException] = []
         _put_back(modules, tables, tensors, changes,
-                  attributes=rebind_attributes == "always" or failed)
-        for storage, copy, name in copies.values():
-            if not torch.equal(_bytes(storage), _bytes(copy)):
-                changes.written.append(name)
-                changes.written_storages[storage_key(_bytes(storage))] = name
-                storage.copy_(copy)
+                  attributes=rebind_attributes == "always" or failed, errors=errors)
+        for key, (storage, copy, name) in copies.items():
+            with _collected(errors):
+                if storage.nbytes() != copy.nbytes() or \
+                        not torch.equal(_bytes(storage), _bytes(copy)):
+                    changes.written.append(name)
+                    changes.written_storages[key] = name
+                    _restore(storage, copy)
         if mode is not None:
             for key, copy in mode.saved.items():
-                storage, label = watched[key]
-                changes.written.append(label)
-                changes.written_storages[key] = label
-                storage.copy_(copy)
+                with _collected(errors):
+                    storage, label = watched[key]
+                    changes.written.append(label)
+                    changes.written_storages[key] = label
+                    _restore(storage, copy)
+        if errors and not failed:
+            raise errors[0]
+        if changes.lazy_written and not failed:
+            raise ModelError(
+                f"the forward registers {changes.lazy_written[0]} and writes it in place "
+                "in the same call: roundpipe runs the forward while tracing and keeps the "
+                "registration (as eager keeps it after its first call), but the program "
+                "would make that write again at its first call. Register it in __init__, "
+                "or write it before registering it")
+
+
+@contextlib.contextmanager
+def _collected(errors: list[BaseException]) -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - raised by the caller after every restore
+        errors.append(e)
+
+
+def _restore(storage: torch.UntypedStorage, copy: torch.UntypedStorage) -> None:
+    """The bytes back, and the size where a write resized the storage."""
+    if storage.nbytes() != copy.nbytes():
+        storage.resize_(copy.nbytes())
+    storage.copy_(copy)
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -231,46 +278,86 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 def _put_back(modules: list[tuple[str, torch.nn.Module]], tables: list[Any],
-              tensors: dict[int, _Tensor], changes: StateChanges, attributes: bool) -> None:
-    for (path, module), (_, params, buffers, attrs) in zip(modules, tables):
-        prefix = f"{path}." if path else ""
-        for table, saved in ((module._parameters, params), (module._buffers, buffers)):
-            for k in [k for k in table if k not in saved]:  # registered by the run
-                changes.rebound.append(prefix + k)
-                del table[k]
-            for k, v in saved.items():
-                if table.get(k, _MISSING) is not v:
-                    changes.rebound.append(prefix + k)
-                    table[k] = v
-                module.__dict__.pop(k, None)  # (shadowing the registry entry)
-        if not attributes:
-            continue
-        for k, now in list(vars(module).items()):
-            before = attrs.get(k, _MISSING)
-            if now is not before and (isinstance(now, torch.Tensor) or before is not None
-                                      and before is not _MISSING) \
-                    and not isinstance(now, torch.nn.Parameter):
-                changes.rebound.append(prefix + k)
-                if before is _MISSING:
-                    del module.__dict__[k]
-                else:
-                    module.__dict__[k] = before
-        for k, before in attrs.items():
-            if k not in vars(module):  # deleted by the run
-                changes.rebound.append(prefix + k)
-                module.__dict__[k] = before
+              tensors: dict[int, _Tensor], changes: StateChanges, attributes: bool,
+              errors: list[BaseException]) -> None:
+    for module_and_table in zip(modules, tables):
+        with _collected(errors):
+            _put_back_module(*module_and_table, changes, attributes)
     with torch.no_grad():
         for entry in tensors.values():
-            t = entry.tensor
-            if _layout(t) != entry.layout:
-                changes.moved.append(entry.name)
-                t.data = entry.alias
-            if t.requires_grad != entry.requires_grad and t.is_leaf:
-                changes.flags.append(f"{entry.name}.requires_grad")
-                t.requires_grad_(entry.requires_grad)
-            if t.is_leaf and t.grad is not entry.grad:
-                changes.flags.append(f"{entry.name}.grad")
-                t.grad = entry.grad
+            with _collected(errors):
+                _put_back_tensor(entry, changes)
+
+
+def _put_back_module(named: tuple[str, torch.nn.Module], table_of: Any,
+                     changes: StateChanges, attributes: bool) -> None:
+    (path, module), (_, params, buffers, attrs) = named, table_of
+    prefix = f"{path}." if path else ""
+    for table, saved in ((module._parameters, params), (module._buffers, buffers)):
+        for k in [k for k in table if k not in saved]:  # registered by the run
+            value = table[k]
+            if not attributes and _real(value):
+                if not _version(value):
+                    continue  # a lazy registration, which eager keeps too
+                # written after it was registered: not kept (the program would make
+                # that write again), refused by ``state_kept``
+                changes.lazy_written.append(prefix + k)
+            changes.rebound.append(prefix + k)
+            del table[k]
+        for k, v in saved.items():
+            if table.get(k, _MISSING) is not v:
+                changes.rebound.append(prefix + k)
+                table[k] = v
+            module.__dict__.pop(k, None)  # (shadowing the registry entry)
+    for k, now in list(vars(module).items()):
+        before = attrs.get(k, _MISSING)
+        if now is before or isinstance(now, torch.nn.Parameter):
+            continue
+        # (tracing's values, a fake tensor or a Proxy, never stay: a failed export
+        # left a fake tensor in a cache the next tracer then read)
+        if not attributes and not _tracing_value(now):
+            continue
+        if isinstance(now, torch.Tensor) or _tracing_value(now) \
+                or before is not None and before is not _MISSING:
+            changes.rebound.append(prefix + k)
+            if before is _MISSING:
+                del module.__dict__[k]
+            else:
+                module.__dict__[k] = before
+    for k, before in attrs.items():
+        if attributes and k not in vars(module):  # deleted by the run
+            changes.rebound.append(prefix + k)
+            module.__dict__[k] = before
+
+
+def _put_back_tensor(entry: _Tensor, changes: StateChanges) -> None:
+    t = entry.tensor
+    if _layout(t) != entry.layout:
+        changes.moved.append(entry.name)
+        t.data = entry.alias
+    if t.requires_grad != entry.requires_grad and t.is_leaf:
+        changes.flags.append(f"{entry.name}.requires_grad")
+        t.requires_grad_(entry.requires_grad)
+    if t.is_leaf and t.grad is not entry.grad:
+        changes.flags.append(f"{entry.name}.grad")
+        t.grad = entry.grad
 
 
 _MISSING = object()
+
+
+def _tracing_value(value: Any) -> bool:
+    """A tracer's stand-in (a fake tensor, a torch.fx Proxy), never the user's value."""
+    return isinstance(value, (FakeTensor, torch.fx.Proxy))
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return 0
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) \
+        and value.device.type != "meta"

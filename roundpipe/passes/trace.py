@@ -649,7 +649,10 @@ def _attempt(model: torch.nn.Module, method: str, attempt: Callable[[], TracedGr
              attempts: list[tuple[str, BaseException]]) -> TracedGraph | None:
     """Run one tracer; on failure record it in ``attempts`` and return None."""
     try:
-        traced = attempt()
+        # a failed attempt leaves nothing for the next (a failed export left fake tensors
+        # in the caches and buffers a forward fills lazily, which fx then read)
+        with state_kept(model, copy_on_write=False, rebind_attributes="on_failure"):
+            traced = attempt()
     except (ModelError, TraceError):
         raise
     except Exception as e:  # noqa: BLE001 - every tracer failure is reported at the end
