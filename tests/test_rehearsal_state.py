@@ -496,3 +496,59 @@ def test_a_restore_that_fails_skips_none_of_the_others(monkeypatch):
         now = model.state_dict()[name]
         if now.untyped_storage().data_ptr() != failed.data_ptr():
             assert torch.equal(now, value), name
+
+
+class _Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_()
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):  # (.data: the torch.fx fallback)
+        return self.head(torch.tanh(self.bn(self.lin(x)))) + self.bn.running_mean.data.sum() * 0
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_batch_norm_writes_its_running_statistics_in_training_mode_only(training):
+    """Eval-mode batch norm only reads them (a frozen BN): counted as a write, an opaque
+    module holding one copied them, and the fx fallback refused it."""
+    model = _Norm().train(training)
+    with torch.no_grad(), state_kept(model) as changes:
+        model(torch.randn(3, 4))
+        copied = len(changes.mode.saved)
+    written = ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+    assert copied == (3 if training else 0)
+    assert sorted(changes.written) == (written if training else [])
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_batch_norm_on_the_fx_fallback_equals_eager(training):
+    torch.manual_seed(0)
+    model = _Norm()
+    model.bn.train(training)
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+        got = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        pipe.step(opt)
+        pipe.synchronize()
+        want = 0.0
+        for a, b in zip(x.chunk(2), y.chunk(2)):
+            loss = F.mse_loss(eager(a), b)
+            loss.backward()
+            want = want + loss.detach()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert pipe.plan.program.trace_method == "fx"
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    pipe.close()

@@ -70,23 +70,36 @@ class StateChanges:
         return ""
 
 
-_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+_WRITES: dict[Any, tuple[tuple[int, str, int | None], ...]] = {}
 # Arguments ATen writes without saying so in the schema (``native_batch_norm``'s running
-# statistics, in training mode; nor does it bump their version counters).  An op with an
+# statistics; nor does it bump their version counters), and only in training mode, as
+# the schemas that declare them write them only then: the op's ``training`` argument
+# decides (eval-mode batch norm only reads them; ``..._no_training``, ``..._no_update``
+# and the backward ops have no such argument and never write them).  An op with an
 # undeclared write not listed here would escape the copy, as would writes that bypass the
 # dispatcher (``numpy()``, ``data_ptr``).
 _UNDECLARED_WRITES = frozenset({"running_mean", "running_var"})
 
 
-def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
-    """(position, name) of the arguments ``op`` writes (cached per overload)."""
+def _written_arguments(op: Any) -> tuple[tuple[int, str, int | None], ...]:
+    """(position, name, position of the ``training`` flag that decides the write, or
+    None) of the arguments ``op`` writes (cached per overload)."""
     found = _WRITES.get(op)
     if found is None:
         schema = getattr(op, "_schema", None)
-        found = tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                      if a.alias_info is not None and a.alias_info.is_write
-                      or a.name in _UNDECLARED_WRITES) if schema is not None else ()
-        _WRITES[op] = found
+        args = list(schema.arguments) if schema is not None else []
+        training = next((i for i, a in enumerate(args) if a.name == "training"), None)
+        found = []
+        for i, a in enumerate(args):
+            declared = a.alias_info is not None and a.alias_info.is_write
+            if a.name in _UNDECLARED_WRITES:
+                if training is not None:
+                    found.append((i, a.name, training))
+                elif declared:  # (_batch_norm_with_update: always)
+                    found.append((i, a.name, None))
+            elif declared:
+                found.append((i, a.name, None))
+        found = _WRITES[op] = tuple(found)
     return found
 
 
@@ -113,7 +126,10 @@ class _CopyOnWrite(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         written = []
-        for i, name in _written_arguments(func):
+        for i, name, training in _written_arguments(func):
+            if training is not None and not (args[training] if training < len(args)
+                                             else kwargs.get("training")):
+                continue  # (eval-mode batch norm reads its running statistics)
             value = args[i] if i < len(args) else kwargs.get(name)
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor):
