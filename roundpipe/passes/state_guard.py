@@ -104,13 +104,20 @@ def _written_arguments(op: Any) -> tuple[tuple[int, str, int | None], ...]:
 
 
 def storage_key(tensor: torch.Tensor) -> int | None:
+    """The identity of ``tensor``'s storage (its ``StorageImpl``: every alias shares it,
+    ``.data = ...`` changes it); None for storages nothing can write for real (fake,
+    meta, functional, sparse, empty).  Not its data pointer: asking for that of a
+    copy-on-write storage (``state_kept``'s lazy copies) copies it."""
     try:
-        if tensor.layout != torch.strided or tensor.device.type == "meta":
+        if tensor.layout != torch.strided or isinstance(tensor, FakeTensor) \
+                or tensor.device.type == "meta":
             return None
-        ptr = tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # fake, functional, sparse, ...
+        storage = tensor.untyped_storage()
+        if storage.device.type == "meta" or not storage.nbytes():
+            return None
+        return storage._cdata
+    except (RuntimeError, NotImplementedError):  # functional, sparse, ...
         return None
-    return ptr or None
 
 
 class _CopyOnWrite(TorchDispatchMode):
@@ -145,7 +152,7 @@ class _CopyOnWrite(TorchDispatchMode):
         out = func(*args, **kwargs)
         for key, t, shape in written:
             storage = self.watched[key][0]
-            if storage.data_ptr() != key or storage.nbytes() != self.saved[key].nbytes():
+            if storage.nbytes() != self.saved[key].nbytes():
                 # an out= argument of another shape is resized inside the kernel; the
                 # exit gives the storage its size and bytes back, not its address
                 raise ModelError(
@@ -201,8 +208,9 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
     ``copy_on_write=False`` (for ``torch.export``, which fails under another dispatch
     mode): only the bindings are watched, which is enough for parameters and buffers,
     since export runs the forward on fake copies of them; ``copy_attributes``: the plain
-    tensor attributes, which export runs on for real (constants, typically small), are
-    copied up front and put back when written.
+    tensor attributes, which export runs on for real, get copy-on-write copies
+    (``torch._lazy_clone``: bytes are copied only when the storage is written, or when
+    its data pointer is asked for while the copy lives) and are put back when written.
 
     ``rebind_attributes``: when a plain tensor attribute that the run set to another
     tensor (or to a tensor from None or nothing) is set back: ``"always"`` or only when
@@ -232,7 +240,7 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
         for name, t in tensor_attributes(model):
             key = storage_key(t)
             if key is not None and key not in copies:
-                copies[key] = (t.untyped_storage(), t.untyped_storage().clone(), name)
+                copies[key] = (t.untyped_storage(), _lazy_copy(t.untyped_storage()), name)
     mode = _CopyOnWrite(watched) if copy_on_write else None
     changes = StateChanges(mode=mode)
     failed = False
@@ -247,8 +255,6 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
         # each restore on its own: one that fails does not skip the others; the first
         # error is raised once all were tried
         errors: list[BaseException] = []
-        _put_back(modules, tables, tensors, changes,
-                  attributes=rebind_attributes == "always" or failed, errors=errors)
         for key, (storage, copy, name) in copies.items():
             with _collected(errors):
                 if storage.nbytes() != copy.nbytes() or \
@@ -256,6 +262,9 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
                     changes.written.append(name)
                     changes.written_storages[key] = name
                     _restore(storage, copy)
+        copies.clear()  # (the lazy copies that nothing wrote: nothing was ever copied)
+        _put_back(modules, tables, tensors, changes,
+                  attributes=rebind_attributes == "always" or failed, errors=errors)
         if mode is not None:
             for key, copy in mode.saved.items():
                 with _collected(errors):
@@ -287,6 +296,16 @@ def _restore(storage: torch.UntypedStorage, copy: torch.UntypedStorage) -> None:
     if storage.nbytes() != copy.nbytes():
         storage.resize_(copy.nbytes())
     storage.copy_(copy)
+
+
+def _lazy_copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A copy-on-write copy: the bytes are copied only when either side is written (the
+    plain tensor attributes export writes for real are rarely written at all, and may be
+    large: a preallocated KV cache)."""
+    lazy_clone = getattr(torch, "_lazy_clone", None)
+    if lazy_clone is None:  # (older torch: a whole copy)
+        return storage.clone()
+    return lazy_clone(_bytes(storage)).untyped_storage()
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
