@@ -216,7 +216,12 @@ def state_kept(model: torch.nn.Module, extra: tuple[tuple[str, torch.Tensor], ..
     tensor (or to a tensor from None or nothing) is set back: ``"always"`` or only when
     the run raises (``"on_failure"``).  A trace that succeeds keeps such caches (a
     recurrent block's state, set by its forward), which the program may hold as constants:
-    put back, the previous tensor would be stale (it may even carry a freed graph)."""
+    put back, the previous tensor would be stale (it may even carry a freed graph).  With
+    ``"on_failure"``, a parameter or buffer the run registered (a lazy initialisation)
+    stays when the run succeeds, if it is a real tensor the run did not write after
+    registering it (else ModelError: the program would make that write again).  A tracer's
+    stand-in (fake tensor, Proxy) left in an attribute is always removed.  Each restore
+    of the exit runs on its own; the first error is raised after all were tried."""
     modules = list(model.named_modules(remove_duplicate=True))
     tables = [(m, dict(m._parameters), dict(m._buffers),
                {k: v for k, v in vars(m).items() if v is None or isinstance(v, torch.Tensor)
