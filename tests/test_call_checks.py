@@ -396,3 +396,56 @@ def test_forward_backward_on_a_batch_smaller_than_num_microbatch_is_refused(batc
     torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
     _assert_grads_equal(eager, grads)
 
+
+# --- 6. the backend and an embedding's max_norm renorm ----------------------------------------
+
+class Renormed(nn.Module):
+    """An embedding (or bag) with max_norm: its forward renormalises the looked-up rows
+    of the weight in place."""
+
+    def __init__(self, bag: bool) -> None:
+        super().__init__()
+        self.bag = bag
+        self.emb = (nn.EmbeddingBag(11, WIDTH, max_norm=1.0, mode="mean") if bag
+                    else nn.Embedding(11, WIDTH, max_norm=1.0))
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(2)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) if self.bag else self.emb(ids).mean(1)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+@pytest.mark.parametrize("nmb", [1, 3])
+@pytest.mark.parametrize("bag", [False, True])
+def test_backend_keeps_an_embeddings_max_norm_renorm(bag, nmb, caplog):
+    """Dynamo's graph calls F.embedding, not the in-place renorm inside it, so the
+    backend's check for parameter writes missed it and the renorm was dropped (weight
+    2.23 off after the forward).  Now seen as a parameter write: that graph runs eagerly
+    (exact), with a warning naming the op; weights and gradients equal eager over 2 SGD
+    steps."""
+    from roundpipe import backend as rb
+    torch.manual_seed(0)
+    model = Renormed(bag)
+    with torch.no_grad():
+        model.emb.weight.mul_(3)  # rows over max_norm
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rb.RoundPipeBackend(devices=["cpu"] * 2,
+                                                                num_microbatch=nmb))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eopt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="roundpipe"):
+        for step in range(2):
+            ids = torch.randint(0, 11, (6, 4), generator=torch.Generator().manual_seed(step))
+            compiled(ids).square().sum().backward()
+            eager(ids).square().sum().backward()
+            for (n, p), q in zip(eager.named_parameters(), model.parameters()):
+                torch.testing.assert_close(q, p, rtol=1e-10, atol=1e-12, msg=n)
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=n)
+            opt.step()
+            eopt.step()
+            opt.zero_grad()
+            eopt.zero_grad()
+    assert "embedding" in caplog.text and "writes to a parameter in place" in caplog.text

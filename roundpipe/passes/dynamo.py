@@ -487,6 +487,12 @@ _HIDDEN_WRITES: dict[Any, Callable[[torch.fx.Node], tuple[Any, ...]]] = {
     if _arg(n, 5, "training", False) else (),
     F.instance_norm: lambda n: (_arg(n, 1, "running_mean"), _arg(n, 2, "running_var"))
     if _arg(n, 5, "use_input_stats", True) else (),
+    # nn.Embedding(max_norm=...) / EmbeddingBag: the looked-up rows of the weight are
+    # renormalised in place (torch.embedding_renorm_ inside the function)
+    F.embedding: lambda n: (_arg(n, 1, "weight"),)
+    if _arg(n, 3, "max_norm") is not None else (),
+    F.embedding_bag: lambda n: (_arg(n, 1, "weight"),)
+    if _arg(n, 3, "max_norm") is not None else (),
 }
 
 
