@@ -239,6 +239,8 @@ class RoundPipeBackend:
             log.warning("roundpipe: running a graph of %d nodes eagerly: %s",
                         len(gm.graph.nodes), e)
             return gm.forward
+        except RoundPipeError as e:  # refused (a sparse gradient): at the call, as is
+            return _raise_on_call(e)
         try:
             graph = _PipelinedGraph(self, dg)
         except RoundPipeError as e:  # e.g. a stage that cannot fit the memory cap

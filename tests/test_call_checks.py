@@ -449,3 +449,58 @@ def test_backend_keeps_an_embeddings_max_norm_renorm(bag, nmb, caplog):
             opt.zero_grad()
             eopt.zero_grad()
     assert "embedding" in caplog.text and "writes to a parameter in place" in caplog.text
+
+
+# --- 7. the backend and a sparse embedding gradient -------------------------------------------
+
+class SparseLookup(nn.Module):
+    def __init__(self, bag: bool, frozen: bool) -> None:
+        super().__init__()
+        self.bag = bag
+        self.emb = (nn.EmbeddingBag(11, WIDTH, mode="sum", sparse=True) if bag
+                    else nn.Embedding(11, WIDTH, sparse=True))
+        self.emb.weight.requires_grad_(not frozen)
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(2)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) if self.bag else self.emb(ids).sum(1)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+@pytest.mark.parametrize("bag", [False, True])
+def test_backend_refuses_a_sparse_embedding_gradient_before_the_forward(bag):
+    """Through the backend the sparse gradient failed inside the backward (torch's copy_
+    error wrapped in StageError), after the forward had run; now refused at the call,
+    before anything runs (ModelError, as pipe(x) and forward_backward refuse it), naming
+    the parameter and the way out.  A frozen sparse embedding still trains the rest
+    exactly."""
+    from roundpipe import backend as rb
+    ids = torch.randint(0, 11, (6, 4), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = SparseLookup(bag, frozen=False)
+    before = copy.deepcopy(model.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rb.RoundPipeBackend(devices=["cpu"] * 2,
+                                                                num_microbatch=3))
+    with pytest.raises(ModelError, match=r"parameter emb\.weight with sparse=True.*"
+                                         "use sparse=False"):
+        compiled(ids)
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    torch.manual_seed(0)
+    model = SparseLookup(bag, frozen=True)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rb.RoundPipeBackend(devices=["cpu"] * 2,
+                                                                num_microbatch=3))
+    compiled(ids).square().sum().backward()
+    eager(ids).square().sum().backward()
+    for (n, p), q in zip(eager.named_parameters(), model.parameters()):
+        if p.grad is None:
+            assert q.grad is None, n
+        else:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=n)

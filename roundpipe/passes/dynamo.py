@@ -50,13 +50,14 @@ import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from ..errors import ModelError
 from ..ops.hooks import register_tensor_hook
 from ..plan import InputSignature, OutputRef, StateSpec
 from .codegen import RANDOM
 from .layers import WRITES, ModuleTree
 from .mode_regions import mark_mode_regions
 from .tensor_hooks import HOOKED
-from .trace import MODULE_PATH, MUTATES, TracedGraph
+from .trace import MODULE_PATH, MUTATES, SPARSE_HINT, TracedGraph
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ def from_dynamo(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> DynamoGr
     buffers = {s.name for s in state if s.kind == "buffer"}
     params = {s.name for s in state if s.kind == "parameter"}
     user_names = {n.name for n in user_nodes}
+    _refuse_sparse_gradients(graph, {s.name: s.fqn for s in state if s.requires_grad})
     for node in graph.nodes:
         written = [alias_root(w) for w in written_values(node)]
         if not written:
@@ -494,6 +496,26 @@ _HIDDEN_WRITES: dict[Any, Callable[[torch.fx.Node], tuple[Any, ...]]] = {
     F.embedding_bag: lambda n: (_arg(n, 1, "weight"),)
     if _arg(n, 3, "max_norm") is not None else (),
 }
+
+
+# Where F.embedding / F.embedding_bag take ``sparse``.
+_SPARSE_ARG = {F.embedding: 6, F.embedding_bag: 7}
+
+
+def _refuse_sparse_gradients(graph: torch.fx.Graph, trainable: Mapping[str, str]) -> None:
+    """``nn.Embedding(sparse=True)`` (or ``EmbeddingBag``, or the functional form) on a
+    trainable parameter: refused before the graph runs, as the other front ends refuse
+    it; its sparse gradient failed inside the backward (StageError), after the forward.
+    ``trainable``: placeholder name -> parameter name."""
+    for node in graph.nodes:
+        index = _SPARSE_ARG.get(node.target) if node.op == "call_function" else None
+        if index is None or not _arg(node, index, "sparse", False):
+            continue
+        weight = _arg(node, 1, "weight")
+        if isinstance(weight, torch.fx.Node) and alias_root(weight).name in trainable:
+            raise ModelError(
+                f"the compiled graph looks up parameter {trainable[alias_root(weight).name]} "
+                f"with sparse=True ({node.format_node()}): {SPARSE_HINT}")
 
 
 def _is_tensor_value(node: Any) -> bool:

@@ -1403,7 +1403,7 @@ def _refuse_parameter_writes(model: torch.nn.Module, graph: torch.fx.Graph,
                 "renormalizes its weight in place: use max_norm=None)")
 
 
-_SPARSE_HINT = ("roundpipe keeps gradients dense (they are downloaded into dense host "
+SPARSE_HINT = ("roundpipe keeps gradients dense (they are downloaded into dense host "
                 "buffers and summed across microbatches and devices); use sparse=False "
                 "(and a dense optimizer in place of SparseAdam), or freeze the weight")
 
@@ -1416,7 +1416,7 @@ def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and \
                 m.weight.requires_grad:
             raise ModelError(f"{path or type(model).__name__} ({type(m).__name__}) has "
-                             f"sparse=True: {_SPARSE_HINT}")
+                             f"sparse=True: {SPARSE_HINT}")
 
 
 def _refuse_sparse_ops(model: torch.nn.Module, graph: torch.fx.Graph,
@@ -1434,7 +1434,7 @@ def _refuse_sparse_ops(model: torch.nn.Module, graph: torch.fx.Graph,
         if isinstance(weight, torch.fx.Node) and alias_root(weight).name in trainable:
             raise ModelError(
                 f"{type(model).__name__}'s forward calls {node.target} with sparse=True on "
-                f"parameter {trainable[alias_root(weight).name]}: {_SPARSE_HINT}")
+                f"parameter {trainable[alias_root(weight).name]}: {SPARSE_HINT}")
 
 
 def alias_root(node: torch.fx.Node) -> torch.fx.Node:
