@@ -39,7 +39,8 @@ from .merged_outputs import merge_plan, merged_outputs, output_columns, tail_val
 from .passes.cost import CostReport, DeviceModel, with_measured_times
 from .passes.leaves import resolve_leaf_modules
 from .passes.dtype_check import mixed_dtype_op
-from .passes.trace import describe_tensors, refuse_unrunnable_example
+from .passes.trace import (describe_tensors, refuse_lazy_parameters,
+                           refuse_unrunnable_example)
 from . import host_step
 from .plan import HostStepEstimate, InputSignature, StagePlan
 from .program_key import (changed_globals, changed_objects, global_reads, object_attributes,
@@ -443,6 +444,7 @@ class RoundPipe:
                 "RoundPipe", unknown, inspect.signature(RoundPipe.__init__).parameters))
         if not isinstance(model, torch.nn.Module):
             raise ModelError(f"RoundPipe wraps an nn.Module, got {type(model).__name__}")
+        refuse_lazy_parameters(model)  # (masters, host state need their shapes)
         off_cpu = [(n, t.device) for n, t in list(model.named_parameters())
                    + list(model.named_buffers()) if t.device.type != "cpu"]
         if off_cpu:

@@ -504,3 +504,42 @@ def test_backend_refuses_a_sparse_embedding_gradient_before_the_forward(bag):
             assert q.grad is None, n
         else:
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+# --- 8. lazy modules ---------------------------------------------------------------------------
+
+class Lazy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.LazyLinear(WIDTH) for _ in range(2)])
+        self.head = nn.LazyLinear(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_a_lazy_module_is_refused_with_the_way_out_which_then_trains_exactly():
+    """nn.LazyLinear failed with torch's bare ValueError (an uninitialised parameter's
+    numel, in the layers pass); now a ModelError at RoundPipe(...) names the parameter and
+    says to run one eager forward first, after which the pipe trains as eager does."""
+    from roundpipe import compile as rp_compile
+    torch.manual_seed(0)
+    model = Lazy()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    with pytest.raises(ModelError, match=r"blocks\.0\.weight is not initialised yet "
+                                         r"\(LazyLinear.*Run one eager forward"):
+        RoundPipe(model, devices=["cpu"] * 2)
+    with pytest.raises(ModelError, match="Run one eager forward"):
+        rp_compile(model, example_args=(x,))
+    with torch.no_grad():
+        model(x[:2])  # materialised
+    eager = copy.deepcopy(model)
+    with _pipe(model, 3, masters=True) as pipe:
+        pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        pipe.synchronize()
+        grads = _grads(pipe)
+    for xm, ym in zip(x.chunk(3), y.chunk(3)):
+        F.mse_loss(eager(xm), ym).backward()
+    _assert_grads_equal(eager, grads)

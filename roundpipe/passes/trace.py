@@ -161,6 +161,7 @@ def trace(
         TraceError: every tracer failed; the message names the failing source line and
             lists what was tried.
     """
+    refuse_lazy_parameters(model)
     _refuse_sparse_gradients(model)
     # Tracing cannot run in inference mode (export fails, and the fx fallback proves no
     # output merge): it runs with the mode off, grad mode as ``grad`` says, on ordinary
@@ -1406,6 +1407,24 @@ def _refuse_parameter_writes(model: torch.nn.Module, graph: torch.fx.Graph,
 SPARSE_HINT = ("roundpipe keeps gradients dense (they are downloaded into dense host "
                 "buffers and summed across microbatches and devices); use sparse=False "
                 "(and a dense optimizer in place of SparseAdam), or freeze the weight")
+
+
+def refuse_lazy_parameters(model: torch.nn.Module) -> None:
+    """A lazy module's parameters and buffers (``nn.LazyLinear``, ``nn.LazyConv2d``, ...)
+    have no shape until its first forward, which tracing cannot be (it initialises
+    them from the global random generator, on real tensors): refused with the way out."""
+    lazy = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if torch.nn.parameter.is_lazy(t)]
+    if lazy:
+        name = lazy[0][0]
+        owner = model.get_submodule(name.rpartition(".")[0])
+        raise ModelError(
+            f"{name} is not initialised yet ({type(owner).__name__} is a lazy module, whose "
+            "parameters get their shape at its first forward"
+            + (f"; {len(lazy) - 1} more" if len(lazy) > 1 else "")
+            + "): roundpipe needs every parameter's shape before it traces and streams "
+            "them. Run one eager forward on an example batch first to materialise them "
+            "(model(example_input), under torch.no_grad()), then wrap the model")
 
 
 def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
