@@ -321,12 +321,16 @@ def _put_back(modules: list[tuple[str, torch.nn.Module]], tables: list[Any],
               tensors: dict[int, _Tensor], changes: StateChanges, attributes: bool,
               errors: list[BaseException]) -> None:
     for module_and_table in zip(modules, tables):
-        with _collected(errors):
+        try:
             _put_back_module(*module_and_table, changes, attributes)
+        except Exception as e:  # noqa: BLE001 - raised by state_kept after every restore
+            errors.append(e)
     with torch.no_grad():
         for entry in tensors.values():
-            with _collected(errors):
+            try:
                 _put_back_tensor(entry, changes)
+            except Exception as e:  # noqa: BLE001 - as above
+                errors.append(e)
 
 
 def _put_back_module(named: tuple[str, torch.nn.Module], table_of: Any,
@@ -351,11 +355,12 @@ def _put_back_module(named: tuple[str, torch.nn.Module], table_of: Any,
             module.__dict__.pop(k, None)  # (shadowing the registry entry)
     for k, now in list(vars(module).items()):
         before = attrs.get(k, _MISSING)
-        if now is before or isinstance(now, torch.nn.Parameter):
+        if now is before:
             continue
         # (tracing's values, a fake tensor or a Proxy, never stay: a failed export
         # left a fake tensor in a cache the next tracer then read)
-        if not attributes and not _tracing_value(now):
+        if not attributes and not _tracing_value(now) \
+                or isinstance(now, torch.nn.Parameter):
             continue
         if isinstance(now, torch.Tensor) or _tracing_value(now) \
                 or before is not None and before is not _MISSING:
