@@ -44,7 +44,7 @@ from .passes.trace import (describe_tensors, refuse_lazy_parameters,
 from . import host_step
 from .plan import HostStepEstimate, InputSignature, StagePlan
 from .program_key import (changed_globals, changed_objects, global_reads, object_attributes,
-                          same_globals, same_objects)
+                          objects_before, same_globals, same_objects)
 from .programs import CompiledProgram, plan_key, stage_layout, tracing_autocast
 from .runtime.call import autocast_state, memory_budget, microbatch_keys
 from .runtime.devices import Device, VirtualCPUDevice, parse_bytes, resolve_devices
@@ -787,6 +787,8 @@ class RoundPipe:
             log.info("roundpipe: recompiling %s for a new input signature, mode, module, hook "
                      "or attribute value",
                      type(self.model).__name__)
+        # (what the traced forward changes itself is its state: not keyed)
+        before, globals_before = objects_before(self.model), global_reads(self.model)
         with tracing_autocast(self.devices[0].torch_device.type, autocast):
             try:
                 analysis = analyze(self.model, example[0], example[1],
@@ -843,8 +845,8 @@ class RoundPipe:
         entry.by_cap[(shapes, cap, cfg.num_microbatch, cfg.recompute_grain)] = (plan, executor)
         self._use_cap(entry, cap, cfg, mbs, full_args, full_kwargs)  # a larger later one
         entry.tensors = _tensor_attributes(reads, self.model)  # (as compiling left them)
-        entry.objects = object_attributes(reads)
-        entry.globals = global_reads(self.model)
+        entry.objects = object_attributes(reads, before)
+        entry.globals = global_reads(self.model, globals_before)
         _refresh_tensor_keys(self._compiled, current, self.model)
         self._held = _held_state(self.model)  # (as tracing left them)
         entry.flags, entry.layout = _requires_grad(self._held), layout

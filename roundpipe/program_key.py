@@ -15,6 +15,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+log = logging.getLogger(__name__)
+
 # Compared by value (or, for functions and classes, identity): hashable, cheap to compare.
 _ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype,
                     torch.device, torch.layout, torch.memory_format, types.FunctionType,
@@ -119,17 +121,51 @@ def _itself(scope: dict) -> dict:
     return scope
 
 
-def object_attributes(reads: Iterable[tuple[torch.nn.Module, str]]) -> tuple[_ObjectKey, ...]:
+def _keyable(value: Any) -> bool:
+    return value is not _MISSING and type(value) not in _PLAIN and not isinstance(
+        value, (torch.Tensor, torch.nn.Module))
+
+
+# What nn.Module.__init__ puts in a module's __dict__ (parameter and hook tables): not the
+# model's own objects.
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+
+
+def objects_before(model: torch.nn.Module) -> dict[tuple[int, str], Any]:
+    """Digests of the objects ``model``'s modules hold (config objects, containers), taken
+    before a trace, by (id of the module, attribute): ``object_attributes`` leaves out
+    those the traced forward itself changed."""
+    memo: dict[int, Any] = {}
+    return {(id(m), name): digest(value, memo) for m in model.modules()
+            for name, value in list(m.__dict__.items())
+            if name not in _MODULE_INTERNALS and _keyable(value)}
+
+
+def object_attributes(reads: Iterable[tuple[torch.nn.Module, str]],
+                      before: dict[tuple[int, str], Any] | None = None
+                      ) -> tuple[_ObjectKey, ...]:
     """The keys of the objects ``reads`` names that are neither plain values, tensors
-    nor modules (those are keyed apart)."""
+    nor modules (those are keyed apart).  An object whose content the traced forward
+    changed (``before``: its digest before the trace; a list the forward appends to, a
+    memo dict it fills) is the forward's state, not a constant of the program: keyed, it
+    would trace again whenever that content moves (a log the user clears each step);
+    it is left out, with a warning, since the program does not repeat the write."""
     memo: dict[int, Any] = {}
     out = []
     for m, name in reads:
         value = m.__dict__.get(name, _MISSING)
-        if value is _MISSING or type(value) in _PLAIN or isinstance(
-                value, (torch.Tensor, torch.nn.Module)):
+        if not _keyable(value):
             continue
-        out.append(_key(m, name, value, memo))
+        key = _key(m, name, value, memo)
+        if before is not None and before.get((id(m), name), key[2]) != key[2]:
+            log.warning("roundpipe: %s's forward changed the content of its attribute %s "
+                        "(a %s) while traced: roundpipe runs the forward's Python once, "
+                        "when tracing, so the program does not repeat that change at "
+                        "every call as eager does (state a forward updates belongs in a "
+                        "buffer written in place, or outside the forward)",
+                        type(m).__name__, name, type(value).__name__)
+            continue
+        out.append(key)
     return tuple(out)
 
 
@@ -165,11 +201,13 @@ def _own_code(code: types.CodeType) -> bool:
     return not code.co_filename.startswith((_TORCH_DIR, _ROUNDPIPE_DIR, "<"))
 
 
-def global_reads(model: torch.nn.Module) -> tuple[_ObjectKey, ...]:
+def global_reads(model: torch.nn.Module, before: tuple[_ObjectKey, ...] | None = None
+                 ) -> tuple[_ObjectKey, ...]:
     """Keys (globals dict, name, digest, kept) of the module globals the forwards of
     ``model``'s own classes, and the functions of their files these name, may read:
     plain values and containers (a function or class rebound is keyed by identity;
-    imported modules and other objects, a logger, are not)."""
+    imported modules and other objects, a logger, are not).  ``before``: the keys taken
+    before a trace; those whose content the trace changed are left out."""
     todo: list[tuple[types.CodeType, dict]] = []
     for cls in dict.fromkeys(type(m) for m in model.modules()):
         forward = getattr(cls, "forward", None)
@@ -196,7 +234,23 @@ def global_reads(model: torch.nn.Module) -> tuple[_ObjectKey, ...]:
                 continue  # (an imported module; an object whose state is its own)
             found[(id(scope), name)] = (scope, name)
     memo: dict[int, Any] = {}
-    return tuple(_key(scope, name, scope[name], memo) for scope, name in found.values())
+    keys = tuple(_key(scope, name, scope[name], memo) for scope, name in found.values())
+    if before is None:
+        return keys
+    # a global the traced forward changed (a list it appends to): its state, not a
+    # constant of the program (see object_attributes)
+    was = {(id(k[0]), k[1]): k[2] for k in before}
+    kept = []
+    for k in keys:
+        if was.get((id(k[0]), k[1]), k[2]) != k[2]:
+            log.warning("roundpipe: the traced forward changed the content of the global "
+                        "%s.%s (a %s): roundpipe runs the forward's Python once, when "
+                        "tracing, so the program does not repeat that change at every "
+                        "call as eager does", k[0].get("__name__", "?"), k[1],
+                        type(k[4]).__name__)
+            continue
+        kept.append(k)
+    return tuple(kept)
 
 
 def same_globals(reads: tuple[_ObjectKey, ...]) -> bool:

@@ -539,3 +539,58 @@ def test_input_requires_grad_and_layout(front, traces):
     assert traces[0] == 3  # the last case is the first's
     model.zero_grad()
     pipe.close()
+
+
+# --- objects the forward itself changes while traced: its state, not the program's key ------
+
+_CALL_LOG: list[int] = []  # a module-level list the forward appends to
+
+
+class Logging(Net):
+    """A forward appending to a list attribute and to a global list (a log), reading a
+    memo dict it fills: the trace changes their content, and so does the user after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, ...]] = []
+        self.memo: dict[int, float] = {}
+
+    def forward(self, x):
+        self.seen.append(tuple(x.shape))
+        _CALL_LOG.append(x.shape[0])
+        if x.shape[-1] not in self.memo:
+            self.memo[x.shape[-1]] = 0.5
+        return super().forward(x) * self.memo[x.shape[-1]]
+
+
+def test_objects_the_forward_changes_are_not_keyed(traces, caplog):
+    """A log the forward appends to, cleared by the user between steps, traced again at
+    every call (a trace of the whole model each step, and a warning each time) when the
+    list's content was part of the key; the forward's change is now warned about once,
+    at the trace, and the program kept."""
+    torch.manual_seed(0)
+    model = Logging()
+    eager = copy.deepcopy(model)
+    pipe = RoundPipe(model, devices=["cpu"] * 2,
+                     model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    with caplog.at_level(logging.WARNING, logger="roundpipe"):
+        for step in range(3):
+            x, y = _batch(step)
+            loss = pipe.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+            ref = sum(F.mse_loss(eager(xm), ym) for xm, ym in zip(x.chunk(3), y.chunk(3)))
+            torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=0)
+            model.seen.clear()
+            _CALL_LOG.clear()
+    assert traces[0] == 1
+    # (export puts the attribute list back itself; the global list it leaves changed:
+    # said once, at the trace)
+    changed = [r.getMessage() for r in caplog.records if "changed the content" in r.getMessage()]
+    assert len(changed) == 1 and "_CALL_LOG" in changed[0]
+    assert not any("tracing again" in r.getMessage() for r in caplog.records)
+    # a read object the forward does not change is still keyed
+    model.memo[W] = 2.0
+    eager.memo[W] = 2.0
+    with torch.no_grad():
+        x, _ = _batch(9)
+        torch.testing.assert_close(pipe(x), eager(x), rtol=0, atol=1e-10)
+    pipe.close()
