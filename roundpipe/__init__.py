@@ -46,7 +46,8 @@ if not _cli_help_only():  # (the package's contents; the command line imports th
                          MergeError, ModelError,
                          OutOfMemoryError, PartitionError, RoundPipeError, StageError,
                          StepError, TraceError, UnknownConfigFieldError)
-    from .errors import (DataParallelError, DoubleBackwardError, HostOutOfMemoryError,
+    from .errors import (DataParallelError, DoubleBackwardError, GradModeError,
+                         HostOutOfMemoryError,
                          NonFiniteGradientError, OffloadError,
                          OffloadMismatchError, OptimizerError, ParameterHookError,
                          ReplicaError)
@@ -95,6 +96,7 @@ __all__ = [
     "StageError",
     "StepError",
     "DoubleBackwardError",
+    "GradModeError",
     "OptimizerError",
     "NonFiniteGradientError",
     "OutOfMemoryError",

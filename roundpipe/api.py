@@ -30,8 +30,8 @@ from . import current
 from .compiler import PlanOptions, analyze, estimate_again, make_plan
 from .config import ResolvedRunConfig, RoundPipeRunConfig
 from .dtype_diagnosis import diagnose_dtypes, dtype_mismatch
-from .errors import (CheckpointError, ConfigError, InputError, InputGradientError, ModelError,
-                     PartitionError,
+from .errors import (CheckpointError, ConfigError, GradModeError, InputError,
+                     InputGradientError, ModelError, PartitionError,
                      OffloadMismatchError, OptimizerError, ParameterHookError,
                      RoundPipeError, StepError,
                      TraceError, UnknownConfigFieldError, unknown_options_message)
@@ -1112,6 +1112,19 @@ class RoundPipe:
             if divisor and isinstance(loss, torch.Tensor):
                 loss = loss / divisor[0]
             return loss
+        if not torch.is_grad_enabled():
+            # Eager's loop raises at loss.backward() there; running it anyway trained on
+            # a validation batch (gradients accumulated for the next step) with the
+            # program traced for no_grad calls (Python branches on grad mode taken for
+            # inference).
+            mode = ("torch.inference_mode()" if torch.is_inference_mode_enabled()
+                    else "torch.no_grad()")
+            raise GradModeError(
+                f"forward_backward was called under {mode}, where autograd records "
+                "nothing and eager's loss.backward() raises; it would have accumulated "
+                "gradients from this batch into the next step. For a loss without "
+                "gradients (validation), call loss_fn(pipe(x), label) under "
+                f"{mode}; to train, call forward_backward outside it")
         if step is not None and not isinstance(step, torch.optim.Optimizer):
             raise ConfigError(f"forward_backward(step=...) takes the optimizer to step, got "
                               f"{type(step).__name__}")

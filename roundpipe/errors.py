@@ -62,6 +62,11 @@ class LossError(RoundPipeError, ValueError):
     """``loss_fn`` returned something that is not a finite scalar tensor."""
 
 
+class GradModeError(RoundPipeError, RuntimeError):
+    """``forward_backward`` was called where autograd records nothing
+    (``torch.no_grad()``, ``torch.inference_mode()``): eager's backward raises there."""
+
+
 class BackwardAlreadyRunError(RoundPipeError, RuntimeError):
     """``backward()`` was called on the loss ``forward_backward`` returned (whose backward
     has run already)."""

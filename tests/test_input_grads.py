@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import roundpipe.optim
-from roundpipe import InputGradientError, RoundPipe, RoundPipeError, RoundPipeRunConfig
+from roundpipe import (GradModeError, InputGradientError, RoundPipe, RoundPipeError,
+                       RoundPipeRunConfig)
 
 B = 6  # batch
 
@@ -218,9 +219,12 @@ def test_a_view_input_keeps_its_own_graph():
     assert calls == eager_calls == [torch.Size([B, 4])] * 3  # once per microbatch
 
 
-def test_a_leaf_input_accumulates_over_calls_and_not_under_no_grad():
-    """Two calls accumulate into ``x.grad``; a call under torch.no_grad() sends nothing
-    (eager records no graph into the input then; the pipe's parameters still train)."""
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_leaf_input_accumulates_over_calls_and_not_under_no_grad(mode):
+    """Two calls accumulate into ``x.grad``; a call under torch.no_grad() (or
+    inference_mode) is refused before anything runs, as eager's ``loss.backward()``
+    raises there: it used to train the pipe's parameters on that batch (a validation
+    loss computed this way leaked into the next step) with the no_grad program."""
     model = _net()
     eager = copy.deepcopy(model)
     (x, bias, scale), _ = _inputs("leaf", "none", "none")
@@ -229,12 +233,12 @@ def test_a_leaf_input_accumulates_over_calls_and_not_under_no_grad():
     for _ in range(2):
         _eager(eager, (xe, bias), {"scale": scale}, label, 2)
     with _pipe(model, 2, 2) as pipe:
-        with torch.no_grad():
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with mode(), pytest.raises(GradModeError, match=mode.__name__):
             pipe.forward_backward((x, bias), {"scale": scale}, label=label, loss_fn=_loss)
         assert x.grad is None
-        assert all(p.grad is not None for p in pipe.optim_parameters())
-        for p in pipe.optim_parameters():
-            p.grad = None
+        assert all(p.grad is None for p in pipe.optim_parameters())
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
         for _ in range(2):
             pipe.forward_backward((x, bias), {"scale": scale}, label=label, loss_fn=_loss)
     _close(x.grad, xe.grad, "x.grad after two calls")
