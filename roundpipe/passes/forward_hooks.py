@@ -95,6 +95,8 @@ def _watched(fn: Callable, found: KeptActivation, suspects: list) -> Callable:
         if any(isinstance(x, torch.fx.Proxy) for x in pytree.tree_leaves(call[1:])):
             return fn(*call)  # the torch.fx fallback's symbolic run: nothing real to watch
         counts = [sys.getrefcount(t) for t in given]
+        attrs = getattr(call[0], "__dict__", {})
+        held = {k: id(v) for k, v in attrs.items() if isinstance(v, torch.Tensor)}
         created: list[weakref.ref] = []
         with _Created(created):
             result = fn(*call)
@@ -103,6 +105,11 @@ def _watched(fn: Callable, found: KeptActivation, suspects: list) -> Callable:
         # attributes); the tracer's own records of its inputs are other objects
         kept = [weakref.ref(t) for t, n in zip(given, counts)
                 if id(t) not in returned and sys.getrefcount(t) > n]
+        # a tensor the hook set on its module (m.last = out.detach()) counts as kept
+        # whatever becomes of it: tracing puts the module's attributes back afterwards
+        # (passes/state_guard.py), which would leave it dead by the check below
+        kept += [(lambda t=v: t) for k, v in attrs.items() if isinstance(v, torch.Tensor)
+                 and held.get(k) != id(v) and id(v) not in returned]
         suspects.append((found, kept + [r for r in created
                                         if r() is not None and id(r()) not in returned]))
         return result
