@@ -88,3 +88,19 @@ def forkserver():
     server = ForkServer()
     yield server
     server.close()
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """How many times roundpipe traced a model (calls of ``roundpipe.api.analyze``)."""
+    import roundpipe.api as rp_api
+
+    count = [0]
+    analyze = rp_api.analyze
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return analyze(*args, **kwargs)
+
+    monkeypatch.setattr(rp_api, "analyze", counting)
+    return count

@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import roundpipe.api as rp_api
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import backend as rb
 
@@ -29,20 +28,6 @@ def _float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
-
-
-@pytest.fixture
-def traces(monkeypatch):
-    """How many times roundpipe traced a model."""
-    count = [0]
-    analyze = rp_api.analyze
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return analyze(*args, **kwargs)
-
-    monkeypatch.setattr(rp_api, "analyze", counting)
-    return count
 
 
 class Block(nn.Module):
