@@ -105,11 +105,15 @@ def _watched(fn: Callable, found: KeptActivation, suspects: list) -> Callable:
         # attributes); the tracer's own records of its inputs are other objects
         kept = [weakref.ref(t) for t, n in zip(given, counts)
                 if id(t) not in returned and sys.getrefcount(t) > n]
-        # a tensor the hook set on its module (m.last = out.detach()) counts as kept
-        # whatever becomes of it: tracing puts the module's attributes back afterwards
-        # (passes/state_guard.py), which would leave it dead by the check below
-        kept += [(lambda t=v: t) for k, v in attrs.items() if isinstance(v, torch.Tensor)
-                 and held.get(k) != id(v) and id(v) not in returned]
+        # a tensor of the call a forward hook set on its module (m.last = out.detach())
+        # counts as kept whatever becomes of it: tracing puts the module's attributes
+        # back afterwards (passes/state_guard.py), which would leave it dead by the check
+        # below.  (Pre-hooks set computed weights there: the old weight_norm.)
+        if found.kind == "forward hook":
+            ours = {id(t) for t in given} | {id(r()) for r in created if r() is not None}
+            kept += [(lambda t=v: t) for k, v in attrs.items()
+                     if isinstance(v, torch.Tensor) and held.get(k) != id(v)
+                     and id(v) not in returned and id(v) in ours]
         suspects.append((found, kept + [r for r in created
                                         if r() is not None and id(r()) not in returned]))
         return result
