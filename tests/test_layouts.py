@@ -7,15 +7,17 @@
   recomputing jobs (CPU ``aten.lstm`` rounds differently with trainable weights, even
   under ``no_grad``).
 
-Each model runs on 1, 2, 3 and 4 virtual devices with the default ``num_stages`` (so the
+Each model runs on 1, 3 and 4 virtual devices with the default ``num_stages`` (so the
 boundaries move) for ``forward_backward``, on 1 and 3 for ``pipe(x)`` + ``backward()``, both
 recompute grains: losses, outputs and gradients must be ``torch.equal``, and equal eager
-in float64.
+in float64.  One pipe per (model, device count) runs both APIs in turn (they share its
+trace, most of the time), ``forward_backward`` first.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable
 
 import pytest
@@ -136,42 +138,68 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, y)
 
 
-def _run(model: nn.Module, x: torch.Tensor, y: torch.Tensor, devices: int, api: str
-         ) -> dict[str, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
-    """Per recompute grain: the loss, the output and the gradients, from one pipe (a
-    grain is a run option: the two calls share the trace, which is most of the time)."""
-    results = {}
+APIS = ("forward_backward", "forward")
+GRAINS = ("stage", "layer")
+CASES = ["convnext", "attention", "lstm_stack", "lstm_layers", *sorted(LAYOUTS)]
+# Against 1 device (2 jobs: values handed over on the device), 3 and 4 devices (4 and 5
+# jobs: the forward and the backward cut at other unit boundaries in each).  2 devices (3
+# jobs) cut the forward one block earlier or later than 3 and 4 do: the blocks of each
+# model are alike, so a value of the same kind crosses.  pipe(x) shares the stages and
+# transfers of forward_backward: 3 devices move its boundaries enough.
+DEVICES = {"forward_backward": (1, 3, 4), "forward": (1, 3)}
+
+Results = dict[str, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
+
+
+@functools.cache
+def _inputs(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model, x = _case(name)
+    return model, x, torch.randn(model(x).shape, dtype=torch.double)
+
+
+@functools.cache
+def _run(name: str, devices: int) -> dict[str, Results]:
+    """Per API, per recompute grain: the loss, the output and the gradients, from one pipe
+    on ``devices`` devices (tracing each pipe is most of this file's time: the APIs and
+    the grains are run options that share its trace; forward_backward runs first, then
+    pipe(x) + backward(), the gradients cleared before each call).  Cached: the tests of
+    both APIs read it, and every test takes clones."""
+    model, x, y = _inputs(name)
+    results: dict[str, Results] = {}
     with RoundPipe(copy.deepcopy(model), devices=["cpu"] * devices, optim_dtype=None) as pipe:
-        for grain in GRAINS:
-            cfg = RoundPipeRunConfig(num_microbatch=NUM_MB, recompute_grain=grain)
-            if api == "forward_backward":
-                loss, out = pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss,
-                                                  return_outputs=True, run_config=cfg)
-            else:
-                out = pipe(x, run_config=cfg)
-                loss = _loss(out, y)
-                loss.backward()
-            results[grain] = (loss.detach(), out.detach(),
-                              [p.grad.clone() for p in pipe.optim_parameters()])
-            for p in pipe.optim_parameters():
-                p.grad = None
+        for api in APIS:
+            if devices not in DEVICES[api]:
+                continue
+            results[api] = {}
+            for grain in GRAINS:
+                for p in pipe.optim_parameters():
+                    p.grad = None
+                cfg = RoundPipeRunConfig(num_microbatch=NUM_MB, recompute_grain=grain)
+                if api == "forward_backward":
+                    loss, out = pipe.forward_backward(input_args=(x,), label=y,
+                                                      loss_fn=_loss, return_outputs=True,
+                                                      run_config=cfg)
+                else:
+                    out = pipe(x, run_config=cfg)
+                    loss = _loss(out, y)
+                    loss.backward()
+                results[api][grain] = (loss.detach(), out.detach(),
+                                       [p.grad.clone() for p in pipe.optim_parameters()])
     return results
 
 
-GRAINS = ("stage", "layer")
-CASES = ["convnext", "attention", "lstm_stack", "lstm_layers", *sorted(LAYOUTS)]
+def _results(name: str, devices: int, api: str) -> Results:
+    return {grain: (loss.clone(), out.clone(), [g.clone() for g in grads])
+            for grain, (loss, out, grads) in _run(name, devices)[api].items()}
 
 
-@pytest.mark.parametrize("api", ["forward_backward", "forward"])
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("name", CASES)
 def test_bitwise_across_device_counts(name: str, api: str) -> None:
-    model, x = _case(name)
-    y = torch.randn(model(x).shape, dtype=torch.double)
-    base = _run(model, x, y, 1, api)
-    # pipe(x) shares the stages and transfers of forward_backward: 3 devices move its
-    # boundaries enough (tracing each pipe is most of this file's time)
-    for devices in (2, 3, 4) if api == "forward_backward" else (3,):
-        for grain, (loss, out, grads) in _run(model, x, y, devices, api).items():
+    model, x, y = _inputs(name)
+    base = _results(name, 1, api)
+    for devices in DEVICES[api][1:]:
+        for grain, (loss, out, grads) in _results(name, devices, api).items():
             want = base[grain]
             assert torch.equal(loss, want[0]), (devices, grain, loss, want[0])
             assert torch.equal(out, want[1]), (devices, grain)
