@@ -4,9 +4,11 @@ roundpipe's tracing stay out of the user's terminal."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -98,8 +100,15 @@ def test_the_example_run_that_tells_the_cases_apart_leaves_no_trace(monkeypatch)
         pipe.close()
 
 
+# One fresh interpreter imports what the script imports, then forks a child per scenario
+# (an interpreter start and the imports cost seconds each): each child runs the scenario
+# as a script's top level, its own stdout and stderr going to its own files, and dies as
+# the script would (an uncaught error: its traceback, status 1).  What the imports print
+# goes to the parent's stdout and stderr, read into every scenario's output: a user runs
+# the imports and the scenario in one process.
 SCRIPT = """
-import logging, sys, torch, torch.nn as nn, roundpipe
+import atexit, os, sys, threading
+import logging, torch, torch.nn as nn, roundpipe
 from roundpipe import RoundPipe
 
 class Net(nn.Module):
@@ -112,24 +121,69 @@ class Net(nn.Module):
         h = torch.relu(self.fc1(x))
         return self.fc2(h)
 
-if sys.argv[2] == "debug":
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("roundpipe").setLevel(logging.DEBUG)
-if sys.argv[1] == "compile":
-    roundpipe.compile(Net(), example_args=(torch.randn(16, 33),), devices=["cpu"] * 2)
-else:
-    with RoundPipe(Net(), devices=["cpu"] * 2) as pipe:
-        pipe.forward_backward(input_args=(torch.randn(16, 32),), loss_fn=lambda o, _: o.sum())
-        pipe.forward_backward(input_args=(torch.randn(16, 33),), loss_fn=lambda o, _: o.sum())
+def scenario(when, log):
+    if log == "debug":
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("roundpipe").setLevel(logging.DEBUG)
+    if when == "compile":
+        roundpipe.compile(Net(), example_args=(torch.randn(16, 33),), devices=["cpu"] * 2)
+    else:
+        with RoundPipe(Net(), devices=["cpu"] * 2) as pipe:
+            pipe.forward_backward(input_args=(torch.randn(16, 32),), loss_fn=lambda o, _: o.sum())
+            pipe.forward_backward(input_args=(torch.randn(16, 33),), loss_fn=lambda o, _: o.sum())
+
+out_dir = sys.argv[1]
+sys.stdout.flush()
+sys.stderr.flush()
+for name in sys.argv[2:]:
+    pid = os.fork()
+    if pid == 0:
+        for fd, stream in ((1, "out"), (2, "err")):
+            f = os.open(os.path.join(out_dir, f"{name}.{stream}"), os.O_WRONLY | os.O_CREAT)
+            os.dup2(f, fd)
+            os.close(f)
+        code = 0
+        try:
+            scenario(*name.split("-"))
+        except BaseException as e:  # what the interpreter prints (its hook), from the
+            e.with_traceback(e.__traceback__.tb_next)  # scenario's frame (the top level)
+            sys.__excepthook__(type(e), e, e.__traceback__)
+            code = 1
+        threading._shutdown()  # as an interpreter's exit: join threads, then atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    with open(os.path.join(out_dir, f"{name}.rc"), "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(status)))
 """
+SCENARIOS = ("compile-plain", "call-plain", "compile-debug")
 
 
-def _run(*argv: str) -> str:
+@functools.cache
+def _outputs() -> dict[str, tuple[int, str]]:
+    """Per scenario: exit status and what the user's terminal shows (stdout, stderr)."""
     env = dict(os.environ, PYTHONPATH=REPO)
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), *argv],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stdout + result.stderr
-    return result.stdout + result.stderr
+    with tempfile.TemporaryDirectory() as out_dir:
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), out_dir,
+                                 *SCENARIOS], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        outputs = {}
+        for name in SCENARIOS:
+            def read(stream):
+                with open(os.path.join(out_dir, f"{name}.{stream}")) as f:
+                    return f.read()
+            outputs[name] = (int(read("rc")), result.stdout + read("out") + result.stderr
+                             + read("err"))
+    return outputs
+
+
+def _run(when: str, log: str) -> str:
+    code, out = _outputs()[f"{when}-{log}"]
+    assert code == 1, out
+    return out
 
 
 @pytest.mark.parametrize("when", ["compile", "call"])
