@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,13 +25,41 @@ import checkpoint_crash as crash  # noqa: E402
 WIDTH = 1024  # 16 MiB checkpoints: a save takes long enough to be killed mid-write
 
 
-def test_a_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path):
+def _kill_during_saves(forkserver, path: str, start: int, rng: random.Random,
+                       max_delay_s: float = 0.6) -> tuple[int, int]:
+    """bench/checkpoint_crash.py's ``kill_during_saves`` with the saving process forked
+    from the session's fork server (tests/forkserver.py) rather than a new interpreter
+    (3 s of CPU each to import torch and roundpipe): the same child code, the same random
+    delay after it is ready, SIGKILL.  Returns (last generation reported saved,
+    generation on disk)."""
+    child = forkserver.start(code=crash._CHILD, args=[path, str(start), str(WIDTH), "0"],
+                             cwd=ROOT, timeout=120)
+    deadline = time.monotonic() + 120
+    try:
+        while True:  # its stdout is a file (made by the child): "ready" once it can save
+            if os.path.exists(child._out):
+                with open(child._out) as f:
+                    if f.readline().strip() == "ready":
+                        break
+            if time.monotonic() > deadline:
+                raise AssertionError("the saving process did not start")
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, max_delay_s))
+    finally:
+        child.kill()
+    result = child.wait()
+    assert result.returncode == -signal.SIGKILL, result.output[-3000:]
+    saved = [int(line) for line in result.stdout.split() if line.strip().isdigit()]
+    return (saved[-1] if saved else start - 1), crash.generation_on_disk(path, WIDTH)
+
+
+def test_a_save_killed_at_random_moments_leaves_a_whole_checkpoint(tmp_path, forkserver):
     rng = random.Random(0)
     path = str(tmp_path / "ck.pt")
     crash.save_generation(path, WIDTH, 0)
     start = 1
     for _ in range(3):  # (bench/checkpoint_crash.py kills more)
-        reported, on_disk, _ = crash.kill_during_saves(path, start, WIDTH, rng)
+        reported, on_disk = _kill_during_saves(forkserver, path, start, rng)
         # The last completed save, or the one whose rename landed just before the kill.
         assert on_disk in (reported, reported + 1), (reported, on_disk)
         start = on_disk + 1
