@@ -488,10 +488,10 @@ def _python(forkserver, code: str, tmp_path, optimizer: str = "torch.optim.AdamW
 def test_checkpoint_and_resume_in_a_fresh_process_is_bit_exact(forkserver, tmp_path,
                                                               optimizer):
     """6 steps straight == 3 steps, checkpoint (with an async step pending), a fresh
-    process loads it and trains 3 more: dropout streams and GradScaler state included."""
-    _python(forkserver, f"run(6, out={str(tmp_path / 'straight.pt')!r})", tmp_path, optimizer)
-    _python(forkserver, f"run(6, save_at=3, out={str(tmp_path / 'ckpt.pt')!r})", tmp_path,
-            optimizer)
+    process loads it and trains 3 more: dropout streams and GradScaler state included.
+    (The straight run and the saving run share one process, each with its own pipe.)"""
+    _python(forkserver, f"run(6, out={str(tmp_path / 'straight.pt')!r})\n"
+            f"run(6, save_at=3, out={str(tmp_path / 'ckpt.pt')!r})", tmp_path, optimizer)
     _python(forkserver, f"run(6, load={str(tmp_path / 'ckpt.pt')!r}, "
             f"out={str(tmp_path / 'resumed.pt')!r})", tmp_path, optimizer)
     straight = torch.load(tmp_path / "straight.pt", weights_only=True)
