@@ -8,6 +8,7 @@ load, when it fails."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import pytest
@@ -92,21 +93,29 @@ def _adamw_bf16(ps):
     return roundpipe.optim.AdamW(ps, lr=1e-2, state_dtype=torch.bfloat16)
 
 
+@functools.cache
+def _default_run(devices: int, landing: bool, make_opt):
+    return _run(_model(), devices, landing, make_opt=make_opt)
+
+
+def _default(devices: int, landing: bool, make_opt=_adamw):
+    """``_run`` of the default model without the disk tier, computed once per arguments
+    in this process (several tests compare with the same runs); a copy for each caller."""
+    return copy.deepcopy(_default_run(devices, landing, make_opt))
+
+
 @pytest.mark.parametrize("devices", [1, 3])
 @pytest.mark.parametrize("make_opt", [_adamw, _sgd, _adamw_bf16],
                          ids=["adamw", "sgd", "adamw-bf16-state"])
 def test_stepping_as_gradients_land_is_bitwise_the_plain_step(devices, make_opt) -> None:
-    base = _model()
-    plain = _run(copy.deepcopy(base), devices, landing=False, make_opt=make_opt)
-    landed = _run(copy.deepcopy(base), devices, landing=True, make_opt=make_opt)
+    plain = _default(devices, landing=False, make_opt=make_opt)
+    landed = _default(devices, landing=True, make_opt=make_opt)
     _equal(plain, landed)
     assert all(g is None for g in landed["grads"])  # consumed, as step's zero_grad
 
 
 def test_it_is_invariant_to_the_device_count() -> None:
-    base = _model()
-    _equal(_run(copy.deepcopy(base), 1, landing=True),
-           _run(copy.deepcopy(base), 3, landing=True))
+    _equal(_default(1, landing=True), _default(3, landing=True))
 
 
 @pytest.mark.parametrize("devices, make_opt", [(1, _adamw), (3, _adamw), (3, _sgd),
@@ -115,7 +124,7 @@ def test_it_is_invariant_to_the_device_count() -> None:
 def test_with_the_disk_tier_it_is_bitwise_the_in_memory_plain_step(devices, make_opt,
                                                                     tmp_path) -> None:
     base = _model()
-    plain = _run(copy.deepcopy(base), 1, landing=False, make_opt=make_opt)
+    plain = _default(1, landing=False, make_opt=make_opt)
     tiered = _run(copy.deepcopy(base), devices, landing=True, make_opt=make_opt,
                   offload_dir=str(tmp_path / "tier"))
     _equal(plain, tiered)
@@ -225,11 +234,20 @@ def test_what_cannot_step_as_gradients_land_runs_the_plain_order_with_a_reason(
 
 
 def test_a_failing_loss_in_a_later_microbatch_changes_nothing() -> None:
+    (x, y), (x2, y2) = _data(2)
+    # what both cases must end as: the plain order over the two good calls
+    with RoundPipe(_model(), devices=["cpu"] * 3, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        for xi, yi in ((x, y), (x2, y2)):
+            pipe.forward_backward(input_args=(xi,), label=yi, loss_fn=_loss)
+            pipe.step(opt)
+        pipe.synchronize()
+        plain = _snapshot(pipe, opt)
     for bad in ("raise", "nan"):
         with RoundPipe(_model(), devices=["cpu"] * 3, optim_dtype=torch.float32,
                        model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
             opt = _adamw(pipe.optim_parameters())
-            (x, y), (x2, y2) = _data(2)
             pipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss, step=opt)
             before = _snapshot(pipe, opt)
             seen = []
@@ -247,15 +265,7 @@ def test_a_failing_loss_in_a_later_microbatch_changes_nothing() -> None:
             _equal(before, _snapshot(pipe, opt))
             # and the pipe goes on as if the failed call had not been made
             pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
-            after = _snapshot(pipe, opt)
-        with RoundPipe(_model(), devices=["cpu"] * 3, optim_dtype=torch.float32,
-                       model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
-            opt = _adamw(pipe.optim_parameters())
-            for xi, yi in ((x, y), (x2, y2)):
-                pipe.forward_backward(input_args=(xi,), label=yi, loss_fn=_loss)
-                pipe.step(opt)
-            pipe.synchronize()
-            _equal(after, _snapshot(pipe, opt))
+            _equal(_snapshot(pipe, opt), plain)
 
 
 def test_a_failure_after_a_unit_was_updated_refuses_calls_until_a_load() -> None:
