@@ -41,10 +41,10 @@ class Branches(nn.Module):
         return h
 
 
-def _branches(dtype):
+def _branches(dtype, n=6):
     torch.manual_seed(0)
-    model = Branches().to(dtype)
-    x = torch.randn(8, 6, 16, dtype=dtype)
+    model = Branches(n).to(dtype)
+    x = torch.randn(8, n, 16, dtype=dtype)
     weight = torch.randn(8, 16, dtype=dtype)
     return model, x, weight
 
@@ -63,13 +63,13 @@ def test_ten_steps_equal_torch_on_the_same_gradients(name, kwargs, dtype, kernel
     torch's default and fused implementations, and with kernel='fused' bit for bit
     against the fused one (the kernel it runs); the model weights are the masters
     rounded to the model's dtype."""
-    model, x, weight = _branches(dtype)
+    model, x, weight = _branches(dtype, n=3)  # a unit per device
     reference = [nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
     ref_opt = getattr(torch.optim, name)(reference, **kwargs)
     fused = [nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
     fused_opt = getattr(torch.optim, name)(fused, fused=True, **kwargs)
     # The gradient, computed once in the model's dtype (it does not depend on the weights).
-    eager = Branches().to(dtype)
+    eager = Branches(3).to(dtype)
     eager.load_state_dict(model.state_dict())
     (eager(x) * weight).sum().backward()
     grads = [p.grad.float() for p in eager.parameters()]
@@ -166,7 +166,7 @@ def test_landed_bf16_gradients_equal_torchs_fused_step_on_their_fp32_copies(
     results = []
     for ours in (True, False):
         torch.manual_seed(0)
-        model, args, inputs = models.gpt()
+        model, args, inputs = models.gpt(layers=2)
         model = model.to(torch.bfloat16)
         with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32,
                        model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
@@ -185,7 +185,7 @@ def test_landed_bf16_gradients_equal_torchs_fused_step_on_their_fp32_copies(
 
 def _gpt_run(optimizer, devices=2, steps=4, read_grads=False, state_dtype=None):
     torch.manual_seed(0)
-    model, args, kwargs = models.gpt()
+    model, args, kwargs = models.gpt(layers=2)
     model = model.to(torch.bfloat16)
     loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
     with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
@@ -362,7 +362,7 @@ def test_accumulated_gradients_equal_torchs_path():
     results = []
     for cls in (torch.optim.SGD, roundpipe.optim.SGD):
         torch.manual_seed(0)
-        model, args, kwargs = models.gpt()
+        model, args, kwargs = models.gpt(layers=2)
         model = model.to(torch.bfloat16)
         loss_fn = lambda out, _: out["logits"].float().pow(2).mean()  # noqa: E731
         with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32) as pipe:
