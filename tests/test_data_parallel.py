@@ -24,13 +24,13 @@ import os
 import socket
 import subprocess
 import sys
+from functools import cache
 from typing import Any
 
 import pytest
 import torch
 
 import dp_worker
-from dp_worker import reference
 from forkserver import ChildTimeout
 
 import roundpipe
@@ -111,9 +111,21 @@ def _assert_replicas_identical(per_rank: list[dict[str, Any]]) -> None:
     _assert_states_equal(per_rank[1]["state"], per_rank[0]["state"], exact=True)
 
 
+@cache
+def _reference(*args: Any, **kwargs: Any) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    return dp_worker.reference(*args, **kwargs)
+
+
+def reference(*args: Any, **kwargs: Any) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """dp_worker.reference, computed once per set of arguments in this process (two tests
+    compare with the same run); each caller gets its own copies."""
+    losses, state = _reference(*args, **kwargs)
+    return [l.clone() for l in losses], {k: v.clone() for k, v in state.items()}
+
+
 def test_summed_gradients_equal_one_process_bit_for_bit_sgd(launches):
     want_losses, want = reference("sgd", num_microbatch=2)  # = 2 replicas x 1 microbatch
-    per_rank = launches["equivalence"].scenario("sgd_sum")
+    per_rank = launches["replicas"].scenario("sgd_sum")
     for r in per_rank:
         _assert_states_equal(r["state"], want, exact=True)  # dropout and tied weights too
         assert [float(l) for l in r["losses"]] == [float(l) for l in want_losses]
@@ -130,7 +142,7 @@ def test_summed_gradients_equal_one_process_bit_for_bit_sgd(launches):
 def test_averaged_gradients_equal_one_process_to_fp32_tolerance_adamw(launches):
     # 2 replicas x 2 microbatches against one process x 4 with the loss halved (the mean).
     want_losses, want = reference("adamw", num_microbatch=4, loss_scale=0.5)
-    per_rank = launches["equivalence"].scenario("adamw_mean")
+    per_rank = launches["replicas"].scenario("adamw_mean")
     _assert_replicas_identical(per_rank)
     _assert_states_equal(per_rank[0]["state"], want, exact=False)
     torch.testing.assert_close(torch.stack(per_rank[0]["losses"]), torch.stack(want_losses),
@@ -139,7 +151,7 @@ def test_averaged_gradients_equal_one_process_to_fp32_tolerance_adamw(launches):
 
 def test_asynchronous_steps_equal_one_process_bit_for_bit(launches):
     want_losses, want = reference("adamw", num_microbatch=2, loss_scale=0.5, is_async=True)
-    per_rank = launches["equivalence"].scenario("adamw_async")
+    per_rank = launches["replicas"].scenario("adamw_async")
     for r in per_rank:
         _assert_states_equal(r["state"], want, exact=True)
         assert [float(l) for l in r["losses"]] == [float(l) for l in want_losses]
@@ -150,7 +162,7 @@ def test_zero_sharded_optimizer_and_a_checkpoint_saved_by_one_replica(launches):
     written by rank 0 after two steps and loaded by both replicas: the third step lands
     exactly where three uninterrupted steps of one process do."""
     want_losses, want = reference("adamw", num_microbatch=2, loss_scale=0.5, is_async=True)
-    per_rank = launches["equivalence"].scenario("zero_checkpoint")
+    per_rank = launches["replicas"].scenario("zero_checkpoint")
     for r in per_rank:
         _assert_states_equal(r["state"], want, exact=True)
         assert float(r["losses"][-1]) == float(want_losses[-1])
@@ -166,7 +178,7 @@ def test_a_sharded_checkpoint_of_2_replicas_resumes_in_1_process_bit_exactly(lau
     the optimizer state; one process with 2 microbatches loads it and trains on, bit for
     bit as the replicas did (and as one process would have from the start)."""
     want_losses, want = reference("adamw", num_microbatch=2, is_async=True)
-    per_rank = launches["equivalence"].scenario("sharded_checkpoint")
+    per_rank = launches["replicas"].scenario("sharded_checkpoint")
     for r in per_rank:
         _assert_states_equal(r["state"], want, exact=True)
     assert all(r["held"] > 0 for r in per_rank)  # the capped capture's late copies ran
@@ -186,8 +198,8 @@ def test_a_sharded_checkpoint_of_2_replicas_resumes_in_1_process_bit_exactly(lau
 
 def test_a_failing_replica_makes_every_replica_raise_and_none_commit(launches):
     # Rank 1's loss_fn raises in step 2 of 3; both go on with step 3.
-    _, want = reference("sgd", num_microbatch=2, steps=[0, 2])
-    per_rank = launches["failures"].scenario("replica_failure")
+    _, want = reference("sgd", num_microbatch=2, steps=(0, 2))
+    per_rank = launches["replicas"].scenario("replica_failure")
     (kind0, msg0, ranks0), (_, elapsed0, _) = per_rank[0]["errors"]
     (kind1, msg1, _), _ = per_rank[1]["errors"]
     assert kind0 == "ReplicaError" and ranks0 == (1,)
@@ -201,7 +213,7 @@ def test_a_failing_replica_makes_every_replica_raise_and_none_commit(launches):
 
 
 def test_a_sharded_save_failing_on_rank_0_raises_on_every_replica_at_once(launches):
-    r0, r1 = launches["failures"].scenario("failed_save")
+    r0, r1 = launches["replicas"].scenario("failed_save")
     assert r0["error"][0] == "OSError" and "No space left" in r0["error"][1]
     assert r1["error"][0] == "CheckpointError", r1["error"]
     assert "replica 0 failed" in r1["error"][1] and "No space left" in r1["error"][1]
@@ -214,7 +226,7 @@ def test_a_data_parallel_subgroup_saves_without_the_other_processes(launches):
     """The data-parallel group is rank 0 alone in a world of 2: ZeRO's optimizer group and
     the sharded save's group are made among its members (before: a barrier over the world
     that waited for rank 1 until the timeout), and the checkpoint loads in one process."""
-    r0, r1 = launches["equivalence"].scenario("subgroup_save")
+    r0, r1 = launches["replicas"].scenario("subgroup_save")
     assert r0["elapsed"] < 15, r0["elapsed"]  # the group's timeout is 20 s
     assert "state" not in r1
     pipe = RoundPipe(dp_worker.build_model(), devices=["cpu"] * 2, seed=0,
@@ -227,7 +239,7 @@ def test_a_data_parallel_subgroup_saves_without_the_other_processes(launches):
 
 
 def test_a_replica_that_stops_answering_gives_a_clear_error_within_the_timeout(launches):
-    r0 = launches["failures"].scenario("hung_replica")[0]
+    r0 = launches["replicas"].scenario("hung_replica")[0]
     timeout = r0["timeout"]
     assert r0["error"] is not None and r0["error"][0] == "DataParallelError", r0["error"]
     assert "rank 0 of 2" in r0["error"][1] and "timeout" in r0["error"][1]
@@ -239,7 +251,7 @@ def test_a_replica_that_stops_answering_gives_a_clear_error_within_the_timeout(l
 
 
 def test_a_replica_whose_process_dies_is_noticed_at_once(launches):
-    r0 = launches["failures"].scenario("dead_replica")[0]
+    r0 = launches["replicas"].scenario("dead_replica")[0]
     assert r0["error"] is not None and r0["error"][0] == "DataParallelError", r0["error"]
     assert "restart" in r0["error"][1]
     assert r0["elapsed"] < 30  # the connection closed: no need to wait for the 60 s timeout
@@ -247,7 +259,7 @@ def test_a_replica_whose_process_dies_is_noticed_at_once(launches):
 
 def test_loss_backward_through_pipe_forward_reduces_like_forward_backward(launches):
     want = dp_worker.reference_autograd()
-    per_rank = launches["equivalence"].scenario("autograd_backward")
+    per_rank = launches["replicas"].scenario("autograd_backward")
     for r in per_rank:
         _assert_states_equal(r["state"], want, exact=True)
         assert r["buckets"] > 3
@@ -257,7 +269,7 @@ def test_input_gradients_are_each_replicas_own_and_a_pipe_parameter_is_refused(l
     """As with DDP, a replica's input gradient is that of its own loss (eager's
     per-microbatch loop on its shard); an input computed from the pipe's own parameter
     is refused on every replica, which then go on in step."""
-    per_rank = launches["equivalence"].scenario("input_grads")
+    per_rank = launches["replicas"].scenario("input_grads")
     model, table, ids, label = dp_worker.input_grads_data()
     for rank, r in enumerate(per_rank):
         emb = table.clone().requires_grad_()
@@ -272,7 +284,7 @@ def test_input_gradients_are_each_replicas_own_and_a_pipe_parameter_is_refused(l
 
 
 def test_batchnorm_statistics_are_rank_zeros_on_every_replica(launches):
-    per_rank = launches["equivalence"].scenario("batchnorm_buffers")
+    per_rank = launches["replicas"].scenario("batchnorm_buffers")
     _assert_replicas_identical(per_rank)
     sd = per_rank[0]["state"]
     assert int(sd["layers.0.1.num_batches_tracked"]) == 2 * 2  # 2 calls x 2 microbatches
@@ -326,10 +338,10 @@ def test_the_example_under_torchrun_and_its_checkpoint_resumes_in_one_process(tm
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", os.path.join(ROOT, "examples", "train_data_parallel.py"), "--devices", "2",
-         "--steps", "4", "--zero", "--checkpoint", str(ckpt)],
+         "--steps", "2", "--seq-len", "16", "--zero", "--checkpoint", str(ckpt)],
         capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "2 replica(s) x 2 device(s): 4 steps" in result.stdout
+    assert "2 replica(s) x 2 device(s): 2 steps" in result.stdout
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     try:
         from train_gpt import GPT, make_text
@@ -340,5 +352,5 @@ def test_the_example_under_torchrun_and_its_checkpoint_resumes_in_one_process(tm
     opt = torch.optim.AdamW(pipe.optim_parameters(), lr=3e-3)
     roundpipe.load_checkpoint(ckpt, pipe, opt)
     assert len(opt.state) == len(pipe.optim_parameters())  # every shard came back
-    assert all(int(s["step"]) == 4 for s in opt.state.values())
+    assert all(int(s["step"]) == 2 for s in opt.state.values())
     pipe.close()
