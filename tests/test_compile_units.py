@@ -14,6 +14,11 @@ import models
 from roundpipe import ConfigError, RoundPipe, RoundPipeRunConfig
 
 
+# Each unit is a program of its own that Dynamo compiles: two blocks (repeated, between
+# the embeddings and the head) show everything four did, at fewer compiles.
+_LAYERS = 2
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -25,7 +30,7 @@ def _fresh_dynamo():
 def _run(devices: int, compile_units, *, grain: str = "stage", dropout: float = 0.0,
          calls: int = 2):
     torch.manual_seed(0)
-    model, (idx,), kwargs = models.gpt(batch=8, dropout=dropout)
+    model, (idx,), kwargs = models.gpt(batch=8, dropout=dropout, layers=_LAYERS)
     model = model.double()
     labels = torch.randint(0, 64, idx.shape)
     pipe = RoundPipe(model, devices=["cpu"] * devices, compile_units=compile_units, seed=5,
@@ -95,7 +100,7 @@ def test_units_with_random_ops_compile_around_them_with_the_same_masks():
     traced programs' (bitwise), and later calls and microbatches compile nothing new
     (Dynamo does not guard on the per-microbatch key)."""
     torch.manual_seed(0)
-    model, (idx,), kwargs = models.gpt(batch=8, dropout=0.1)
+    model, (idx,), kwargs = models.gpt(batch=8, dropout=0.1, layers=_LAYERS)
     model = model.double()
     labels = torch.randint(0, 64, idx.shape)
     results = []
