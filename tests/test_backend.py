@@ -5,6 +5,7 @@ options, the microbatching proof, keyed random ops in recompute, and placement."
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -78,6 +79,12 @@ def gpt_break_between() -> models.GPT:
 
 def gpt_plain() -> models.GPT:
     return models.gpt()[0]
+
+
+def gpt_small() -> models.GPT:
+    """Two blocks: where the number of blocks is not what a test checks (each one is a unit
+    that every compile traces and plans)."""
+    return models.gpt(layers=2)[0]
 
 
 def mlp() -> nn.Module:
@@ -173,7 +180,7 @@ def test_weights_are_streamed_to_every_device():
 
 
 def test_recompute_grain_layer_trains_like_eager():
-    _train(gpt_plain, _gpt_batch, models.lm_loss,
+    _train(gpt_small, _gpt_batch, models.lm_loss,
            options={"devices": ["cpu"] * 2, "recompute_grain": "layer"}, steps=2)
 
 
@@ -217,7 +224,7 @@ def test_new_sequence_length_recompiles_or_reuses_correctly(dynamic):
 
     def batches(step):
         return _gpt_batch(step, seq=lengths[step])
-    _train(gpt_plain, batches, models.lm_loss, dynamic=dynamic)
+    _train(gpt_small, batches, models.lm_loss, dynamic=dynamic)
     plans = rb.plans()
     if dynamic:  # one dynamic graph, reused for every length, split into microbatches
         assert len(plans) == 1 and plans[0].num_microbatch == 4
@@ -265,14 +272,14 @@ def test_registered_with_dynamo():
     assert lookup_backend("roundpipe") is rb.roundpipe_backend
 
 
-def test_subprocess_finds_the_backend_without_importing_roundpipe():
-    installed = [ep for ep in entry_points(group="torch_dynamo_backends")
-                 if ep.name == "roundpipe"]
-    assert installed, ("the 'roundpipe' entry point of group torch_dynamo_backends is not "
-                       "installed; run `pip install -e .` in the repository")
-    script = textwrap.dedent("""
-        import json, sys
-        import torch
+# What a fresh interpreter does, in three scenarios: one real interpreter (nothing of this
+# process is inherited) imports torch alone, then forks a child per scenario, so that each
+# scenario starts from torch without roundpipe, as a new interpreter does, and torch is
+# imported once instead of three times (a launch costs ~3 s of CPU).  Each child prints
+# its scenario's result or its traceback, and exits.
+_FRESH_SCENARIOS = {
+    # torch.compile(backend="roundpipe") finds the backend by its entry point
+    "entry_point": """
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
                                     torch.nn.Linear(8, 2))
         x = torch.randn(6, 4)
@@ -285,18 +292,80 @@ def test_subprocess_finds_the_backend_without_importing_roundpipe():
         model.zero_grad()
         model(x).sum().backward()
         import roundpipe.backend
-        print(json.dumps({"imported_before": imported_before,
-                          "same_output": torch.allclose(out, model(x)),
-                          "same_grad": torch.allclose(grad, model[0].weight.grad),
-                          "plans": len(roundpipe.backend.plans())}))
-    """)
+        result = {"imported_before": imported_before,
+                  "same_output": torch.allclose(out, model(x)),
+                  "same_grad": torch.allclose(grad, model[0].weight.grad),
+                  "plans": len(roundpipe.backend.plans())}
+    """,
+    # installed: import roundpipe leaves Dynamo unimported; hidden: it registers by hand
+    "installed": """
+        import roundpipe
+        dynamo_imported = "torch._dynamo" in sys.modules
+        from torch._dynamo.backends import registry
+        result = {"dynamo_imported": dynamo_imported,
+                  "registered": "roundpipe" in registry._COMPILER_FNS}
+    """,
+    "hide": """
+        real = importlib.metadata.entry_points
+        importlib.metadata.entry_points = lambda **kw: (  # a source tree never pip-installed
+            [] if kw.get("group") == "torch_dynamo_backends" else real(**kw))
+        import roundpipe
+        dynamo_imported = "torch._dynamo" in sys.modules
+        from torch._dynamo.backends import registry
+        result = {"dynamo_imported": dynamo_imported,
+                  "registered": "roundpipe" in registry._COMPILER_FNS}
+    """,
+}
+
+_FRESH_MAIN = """
+import importlib.metadata, json, os, sys, traceback
+import torch
+assert "roundpipe" not in sys.modules and "torch._dynamo" not in sys.modules
+for name, code in json.loads(sys.argv[1]).items():
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            scope = {"importlib": importlib, "json": json, "sys": sys, "torch": torch}
+            exec(code, scope)
+            line = {"scenario": name, "result": scope["result"]}
+        except BaseException:
+            line = {"scenario": name, "error": traceback.format_exc()}
+        print(json.dumps(line), flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        print(json.dumps({"scenario": name, "error": f"child exit status {status}"}),
+              flush=True)
+"""
+
+
+@functools.cache
+def _fresh_interpreter() -> dict:
     env = dict(os.environ, PYTHONPATH=REPO)  # this checkout's code, whatever is installed
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=240)
+    scenarios = {k: textwrap.dedent(v) for k, v in _FRESH_SCENARIOS.items()}
+    proc = subprocess.run([sys.executable, "-c", _FRESH_MAIN, json.dumps(scenarios)],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"imported_before": False, "same_output": True, "same_grad": True,
-                      "plans": 1}
+    lines = [json.loads(line) for line in proc.stdout.splitlines()
+             if line.startswith('{"scenario"')]
+    return {line["scenario"]: line for line in lines}
+
+
+def _scenario(name: str) -> dict:
+    line = _fresh_interpreter().get(name)
+    assert line is not None, f"scenario {name} reported nothing"
+    assert "error" not in line, line["error"][-3000:]
+    return line["result"]
+
+
+def test_subprocess_finds_the_backend_without_importing_roundpipe():
+    installed = [ep for ep in entry_points(group="torch_dynamo_backends")
+                 if ep.name == "roundpipe"]
+    assert installed, ("the 'roundpipe' entry point of group torch_dynamo_backends is not "
+                       "installed; run `pip install -e .` in the repository")
+    assert _scenario("entry_point") == {"imported_before": False, "same_output": True,
+                                        "same_grad": True, "plans": 1}
 
 
 def test_plans_are_inspectable():
@@ -638,25 +707,5 @@ def test_memory_cap_too_small_is_a_partition_error_at_the_call():
 def test_import_is_cheap_and_a_source_tree_registers_by_hand():
     """Installed, ``import roundpipe`` leaves Dynamo unimported (its entry point does the
     registering); without the entry point, the import registers the backend itself."""
-    script = textwrap.dedent("""
-        import importlib.metadata, json, sys
-        hide = sys.argv[1] == "hide"
-        if hide:  # as in a source tree that was never pip-installed
-            real = importlib.metadata.entry_points
-            importlib.metadata.entry_points = lambda **kw: (
-                [] if kw.get("group") == "torch_dynamo_backends" else real(**kw))
-        import roundpipe
-        dynamo_imported = "torch._dynamo" in sys.modules
-        from torch._dynamo.backends import registry
-        print(json.dumps({"dynamo_imported": dynamo_imported,
-                          "registered": "roundpipe" in registry._COMPILER_FNS}))
-    """)
-    env = dict(os.environ, PYTHONPATH=REPO)
-    results = {}
-    for mode in ("installed", "hide"):
-        proc = subprocess.run([sys.executable, "-c", script, mode], capture_output=True,
-                              text=True, cwd=REPO, env=env, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results["installed"] == {"dynamo_imported": False, "registered": False}
-    assert results["hide"] == {"dynamo_imported": True, "registered": True}
+    assert _scenario("installed") == {"dynamo_imported": False, "registered": False}
+    assert _scenario("hide") == {"dynamo_imported": True, "registered": True}
