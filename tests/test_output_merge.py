@@ -70,9 +70,12 @@ REDUCTIONS: dict[str, Callable[[torch.Tensor], Any]] = {
 
 
 class Reducing(nn.Module):
+    """Two blocks (two stages on two devices), then the output under test: each case
+    traces its own model, and a third block only made every trace longer."""
+
     def __init__(self, reduce: Callable[[torch.Tensor], Any]) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> Any:
