@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 from functools import cache
 from typing import Any
@@ -329,17 +328,20 @@ def test_data_parallel_argument_is_checked():
 
 
 @pytest.mark.slow
-def test_the_example_under_torchrun_and_its_checkpoint_resumes_in_one_process(tmp_path):
+def test_the_example_under_torchrun_and_its_checkpoint_resumes_in_one_process(tmp_path,
+                                                                             forkserver):
     """The real launcher: torchrun, two replicas, sharded AdamW; the checkpoint rank 0
     wrote (ZeRO state consolidated) loads into one process with a plain AdamW."""
     ckpt = tmp_path / "dp.ckpt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", os.path.join(ROOT, "examples", "train_data_parallel.py"), "--devices", "2",
-         "--steps", "2", "--seq-len", "16", "--zero", "--checkpoint", str(ckpt)],
-        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=ROOT, env=env)
+    # torchrun's own process is forked from the session's fork server (torch imported
+    # once; tests/forkserver.py), as ``python -m torch.distributed.run ARGS``; it starts
+    # the two replicas as fresh interpreters itself.
+    result = forkserver.run(
+        code="from torch.distributed.run import main; main()",
+        args=["--standalone", "--nproc_per_node", "2",
+              os.path.join(ROOT, "examples", "train_data_parallel.py"), "--devices", "2",
+              "--steps", "2", "--seq-len", "16", "--zero", "--checkpoint", str(ckpt)],
+        cwd=ROOT, timeout=LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "2 replica(s) x 2 device(s): 2 steps" in result.stdout
     sys.path.insert(0, os.path.join(ROOT, "examples"))
