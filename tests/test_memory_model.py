@@ -37,9 +37,11 @@ def _gpt():
 
 
 def _hf_lm(name, **overrides):
+    # 2 layers: the same jobs (3 on 1 device, 5 on 4) and ratios as with 4 (measured
+    # 2026-11-27: BERT's lowest 0.974, Llama's and Qwen3-MoE's as before), in less time
     def case():
         hf = pytest.importorskip("hf_models")
-        model = hf.build(name, num_hidden_layers=4, hidden_size=64, **overrides)
+        model = hf.build(name, num_hidden_layers=2, hidden_size=64, **overrides)
         ids = torch.randint(1, hf.VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
         return model, (), {"input_ids": ids}, ids
     return case
@@ -129,7 +131,7 @@ def test_stage_estimate_is_within_band_of_measured_peak(name, devices, runs):
 
 
 def test_cuda_device_model_rounds_each_tensor_to_512_bytes():
-    model, args, kwargs = models.gpt(batch=6)
+    model, args, kwargs = models.gpt(layers=2, batch=6)
     plans = {}
     for block in (1, 512):
         device_model = DeviceModel("x", 5e10, 1e10, 1e10, 4e-6, block_bytes=block)
