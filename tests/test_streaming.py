@@ -5,6 +5,7 @@ out-of-memory path, memory_fraction, autocast in worker threads, and GradScaler.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import re
 import threading
@@ -124,6 +125,25 @@ def _sum_loss(out, _label):
     return logits.float().square().mean()
 
 
+@functools.cache
+def _uncapped(name):
+    """What the uncapped plan needs on a device, the least any plan needs (the largest
+    unit and the largest weights), and the uncapped plan's stage count: plain numbers
+    from a probe pipe, computed once for both capacities below."""
+    model, inputs, kwargs = getattr(models, name)(batch=8)
+    probe = RoundPipe(model, devices=["cpu"] * 2,
+                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    try:
+        need = probe.compile(inputs, kwargs).device_memory_bytes
+        memory = probe._current.analysis.report.memory
+        least = (max(memory.unit_bytes(i, num_microbatch=2, num_devices=2)
+                     for i in range(len(memory.program.units)))
+                 + max(c.param_bytes for c in probe.plan.costs))
+        return need, least, len(probe.plan.stages)
+    finally:
+        probe.close()
+
+
 @pytest.mark.parametrize("name", ["gpt", "mlp", "bnnet"])
 @pytest.mark.parametrize("tight", [False, True])
 def test_a_plan_under_a_device_cap_holds_within_it_when_measured(name, tight):
@@ -133,14 +153,7 @@ def test_a_plan_under_a_device_cap_holds_within_it_when_measured(name, tight):
     needs, so the cap decides the cuts."""
     model, inputs, kwargs = getattr(models, name)(batch=8)
     run = RoundPipeRunConfig(num_microbatch=2)
-    probe = RoundPipe(model, devices=["cpu"] * 2, model_run_config=run)
-    need = probe.compile(inputs, kwargs).device_memory_bytes
-    memory = probe._current.analysis.report.memory
-    least = (max(memory.unit_bytes(i, num_microbatch=2, num_devices=2)
-                 for i in range(len(memory.program.units)))
-             + max(c.param_bytes for c in probe.plan.costs))
-    uncapped_stages = len(probe.plan.stages)
-    probe.close()
+    need, least, uncapped_stages = _uncapped(name)
     assert least < need
     cap = (least + need) // 2 if tight else need
     capacity = int(cap / 0.9) + 1
@@ -372,13 +385,20 @@ def _same(a, b) -> bool:
     return a == b
 
 
+@functools.cache
+def _prompt_results():
+    """Prompt copies' results, on 1 device (they are bitwise those of any device count):
+    computed once for both device counts below; each test takes a copy."""
+    return _train_bnnet_and_gpt(1)
+
+
 @pytest.mark.parametrize("devices", [1, 3])
 def test_host_reads_wait_for_downloads_that_land_late(monkeypatch, devices):
     """A download returns an unfilled host tensor that its device's waiter thread fills
     later; with every copy delayed, any reader that did not wait for it (the next job,
     the backward stash, losses, gradients, buffers, outputs) would read garbage.  The
     results stay bitwise those of prompt copies."""
-    prompt = _train_bnnet_and_gpt(devices)
+    prompt = copy.deepcopy(_prompt_results())
     _late_downloads(monkeypatch, 0.002)
     assert _same(_train_bnnet_and_gpt(devices), prompt)
 
@@ -423,12 +443,20 @@ def _two_calls(pipe, args, between=None):
     return loss, [p.grad.clone() for p in pipe.optim_parameters()]
 
 
+@functools.cache
+def _two_calls_expected():
+    """Two calls on a fresh pipe, on 1 device (bitwise those of any device count):
+    computed once for both device counts below; each test takes a copy."""
+    pipe, args = _gpt_pipe(1)
+    try:
+        return _two_calls(pipe, args)
+    finally:
+        pipe.close()
+
+
 @pytest.mark.parametrize("devices", [1, 3])
 def test_a_download_that_fails_fails_the_call_and_commits_nothing(monkeypatch, devices):
-    pipe, args = _gpt_pipe(devices)
-    expected = _two_calls(pipe, args)
-    pipe.close()
-
+    expected = copy.deepcopy(_two_calls_expected())
     pipe, args = _gpt_pipe(devices)
 
     def failing_call():
