@@ -136,8 +136,8 @@ def test_with_the_disk_tier_it_is_bitwise_the_in_memory_plain_step(devices, make
 
 def test_the_landed_gradients_are_a_window_of_units_not_the_model() -> None:
     base = _model(width=64, depth=12)
-    plain = _run(copy.deepcopy(base), 1, landing=False, steps=2, width=64)
-    landed = _run(copy.deepcopy(base), 1, landing=True, steps=2, width=64)
+    plain = _run(copy.deepcopy(base), 2, landing=False, steps=2, width=64)
+    landed = _run(copy.deepcopy(base), 2, landing=True, steps=2, width=64)
     whole = sum(p.numel() * 2 for p in base.parameters())
     assert plain["peaks"][-1] >= whole
     # every unit is 64*64+64 bf16; at most a few units' buffers at once
@@ -458,7 +458,7 @@ def test_buffers_dropped_from_the_pool_are_freed_during_the_call() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(6, 8, generator=g).to(torch.bfloat16)
     y = torch.randn(6, 22, generator=g).to(torch.bfloat16)
-    with RoundPipe(model, devices=["cpu"], optim_dtype=torch.float32,
+    with RoundPipe(model, devices=["cpu"] * 2, optim_dtype=torch.float32,
                    model_run_config=RoundPipeRunConfig(num_microbatch=2)) as pipe:
         opt = _adamw(pipe.optim_parameters())
         landing = pipe._landing
