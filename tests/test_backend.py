@@ -419,7 +419,7 @@ class WithLoss(nn.Module):
 def test_batching_proof_accepts_separable_graphs():
     split = analyze_batching(_capture(mlp(), torch.randn(8, 16))[0])
     assert isinstance(split, BatchSplit) and split.outputs == (0,) and split.batch == 8
-    (dg,) = _capture(gpt_plain(), *_gpt_batch(0)[0], dynamic=True)
+    (dg,) = _capture(gpt_small(), *_gpt_batch(0)[0], dynamic=True)
     split = analyze_batching(dg)
     assert isinstance(split, BatchSplit), split
     torch.manual_seed(0)
@@ -436,7 +436,7 @@ def test_batching_proof_refuses_what_it_cannot_prove():
     reason = analyze_batching(_capture(WithLoss("sum_over_batch"), x, y)[0])
     assert isinstance(reason, str) and "reduces over the batch" in reason
     # Static shapes bake the batch size into view(4, 8, ...).
-    reason = analyze_batching(_capture(gpt_plain(), *_gpt_batch(0)[0])[0])
+    reason = analyze_batching(_capture(gpt_small(), *_gpt_batch(0)[0])[0])
     assert isinstance(reason, str) and "view" in reason and "constant" in reason, reason
     # BatchNorm in training updates its running statistics per call.
     model, args, _ = models.bnnet()
@@ -562,7 +562,7 @@ def test_batchnorm_buffers_update_like_eager():
 
 
 def test_inference_under_no_grad_matches_eager():
-    model = gpt_plain().eval()
+    model = gpt_small().eval()
     compiled = torch.compile(model, backend="roundpipe", options=DEVICES)
     (idx,), _ = _gpt_batch(0)
     with torch.no_grad():
@@ -697,7 +697,7 @@ def test_unit_roots_from_the_graph_match_the_module_tree(name):
 
 
 def test_memory_cap_too_small_is_a_partition_error_at_the_call():
-    compiled = torch.compile(gpt_plain(), backend="roundpipe",
+    compiled = torch.compile(gpt_small(), backend="roundpipe",
                              options={"devices": ["cpu"] * 2, "memory_cap": "1KiB"})
     (idx,), _ = _gpt_batch(0)
     with pytest.raises(roundpipe.PartitionError, match="memory cap is 1024 bytes"):
