@@ -23,7 +23,8 @@ from roundpipe.hf import RoundPipeTrainer, TrainerArgumentError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PIPE = dict(devices=["cpu"] * 2, num_microbatch=2, optim_dtype=torch.float32)
-STEPS = 6
+STEPS = 6  # the resume test's: steps 1-3, a checkpoint, steps 4-6 again
+EXACT_STEPS = 4  # the exact-steps comparisons' (each step is a plain and a pipe step)
 
 
 def _rows(n: int = 24, seq: int = 12, seed: int = 0, ragged: bool = True) -> list[dict]:
@@ -49,7 +50,11 @@ def _args(out: str, **overrides) -> TrainingArguments:
 
 
 def _model(dropout: float = 0.0) -> torch.nn.Module:
-    model = hf.build("llama")
+    # One decoder layer (half of plain Trainer's work, a shorter trace): the pipe runs the
+    # decoder and the head as two units on 2 devices (forward, fused tail, backward
+    # stages); what these tests check is on Trainer's side.  Block units, their side
+    # inputs and their stages are tests/test_hf_models.py's.
+    model = hf.build("llama", num_hidden_layers=1)
     for module in model.modules():  # attention dropout: the keyed streams must resume too
         if hasattr(module, "attention_dropout"):
             module.attention_dropout = dropout
@@ -69,12 +74,13 @@ def _rel(a: float, b: float) -> float:
 def test_exact_steps_log_what_plain_trainer_logs(tmp_path, accumulation, clip, loss_kwargs,
                                                  one_pass):
     """Same model, data, seed, AdamW and linear schedule: the losses, gradient norms and
-    learning rates of 6 steps, the final weights and predict()'s loss and logits.  With
+    learning rates of 4 steps, the final weights and predict()'s loss and logits.  With
     ``loss_kwargs`` the model normalises its loss by Trainer's token count (the
     microbatches' losses add up); without, it returns a mean per call, which the pipe
     weights by each microbatch's share of the tokens.  ``one_pass``: the pipe steps with
     roundpipe.optim.AdamW, plain Trainer with torch's fused AdamW (equal bit for bit)."""
-    args = dict(gradient_accumulation_steps=accumulation, max_grad_norm=clip)
+    args = dict(gradient_accumulation_steps=accumulation, max_grad_norm=clip,
+                max_steps=EXACT_STEPS)
     extra = {}
     if one_pass:
         args["optim"] = "adamw_torch_fused"
@@ -97,10 +103,10 @@ def test_exact_steps_log_what_plain_trainer_logs(tmp_path, accumulation, clip, l
 
     for key in ("loss", "grad_norm", "learning_rate"):
         want, got = _logged(plain, key), _logged(piped, key)
-        assert len(got) == STEPS, key
+        assert len(got) == EXACT_STEPS, key
         assert max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, (key, got, want)
     # The steps did change the loss (a run that never stepped would fail above too).
-    assert len(set(_logged(piped, "loss"))) == STEPS
+    assert len(set(_logged(piped, "loss"))) == EXACT_STEPS
     if clip:  # clipping acted: unclipped norms above it
         assert max(_logged(piped, "grad_norm")) > clip
     # Adam divides by sqrt(v): a gradient element near zero that differs in its last bits
@@ -169,7 +175,7 @@ def test_losses_that_do_not_add_up_over_microbatches_log_what_plain_trainer_logs
     args, extra, data, build = dict(max_steps=3, gradient_accumulation_steps=2), {}, _rows(), _model
     plain_cls, pipe_cls = Trainer, RoundPipeTrainer
     if case in ("mean_model_loss", "unlabelled_microbatch"):
-        data, build = _masked_rows(), lambda: hf.build("bert")
+        data, build = _masked_rows(), lambda: hf.build("bert", num_hidden_layers=1)
         if case == "unlabelled_microbatch":
             # In order, each batch's second microbatch has no label: its mean is NaN
             # (0/0), which counts for nothing (LossError before); the batch's is not.
@@ -276,7 +282,22 @@ class _RecordingTrainer(RoundPipeTrainer):
         return optimizer
 
 
-def test_roundpipe_optim_steps_from_the_gradients_where_they_landed(tmp_path):
+_OPTIM_ARGS = dict(max_steps=3, max_grad_norm=0.5, optim="adamw_torch_fused")
+
+
+@pytest.fixture(scope="module")
+def plain_fused_logs(tmp_path_factory) -> dict[str, list[float]]:
+    """Plain Trainer's losses and gradient norms with fused AdamW and torch's clipping (3
+    steps clipped at 0.5): the reference of the two roundpipe.optim tests below, run once
+    for both (plain floats)."""
+    out = tmp_path_factory.mktemp("plain_fused")
+    plain = Trainer(model=_model(), args=_args(str(out), **_OPTIM_ARGS), train_dataset=_rows())
+    plain.train()
+    return {key: _logged(plain, key) for key in ("loss", "grad_norm")}
+
+
+def test_roundpipe_optim_steps_from_the_gradients_where_they_landed(tmp_path,
+                                                                     plain_fused_logs):
     """With roundpipe.optim.AdamW, clipping (and the logged norm) goes through
     pipe.clip_grad_norm_: no float32 .grad is made (4 bytes per parameter on the host),
     and the losses and norms stay plain Trainer's (fused AdamW, torch's clipping)."""
@@ -295,17 +316,36 @@ def test_roundpipe_optim_steps_from_the_gradients_where_they_landed(tmp_path):
             inner.step = counting_step
             return optimizer
 
-    args = dict(max_steps=3, max_grad_norm=0.5, optim="adamw_torch_fused")
-    plain = Trainer(model=_model(), args=_args(str(tmp_path / "plain"), **args),
-                    train_dataset=_rows())
-    plain.train()
-    piped = Counting(model=_model(), args=_args(str(tmp_path / "pipe"), **args),
+    piped = Counting(model=_model(), args=_args(str(tmp_path / "pipe"), **_OPTIM_ARGS),
                      train_dataset=_rows(), pipe_options=PIPE, async_step=False,
                      optimizer_cls_and_kwargs=(roundpipe.optim.AdamW, dict(lr=1e-2)))
     piped.train()
     assert piped.fp32_grads == [0, 0, 0]
-    for key in ("loss", "grad_norm"):
-        want, got = _logged(plain, key), _logged(piped, key)
+    for key, want in plain_fused_logs.items():
+        got = _logged(piped, key)
+        assert len(got) == 3 and max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, key
+
+
+def test_exact_steps_with_roundpipe_optim_overlap_the_next_call_and_match_trainer(
+        tmp_path, monkeypatch, plain_fused_logs):
+    """RoundPipeTrainer's exact step with a roundpipe.optim optimizer takes the overlapped
+    path (pipe.step(optimizer): per-unit publish) and still logs plain Trainer's losses
+    and gradient norms."""
+    frozen = []
+    real = roundpipe.optim.AdamW.step_frozen
+
+    def counting(self, *args, **kwargs):
+        frozen.append(1)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(roundpipe.optim.AdamW, "step_frozen", counting)
+    piped = RoundPipeTrainer(model=_model(), args=_args(str(tmp_path / "pipe"), **_OPTIM_ARGS),
+                             train_dataset=_rows(), pipe_options=PIPE, async_step=False,
+                             optimizer_cls_and_kwargs=(roundpipe.optim.AdamW,
+                                                       dict(lr=1e-2)))
+    piped.train()
+    assert len(frozen) == 3
+    for key, want in plain_fused_logs.items():
+        got = _logged(piped, key)
         assert len(got) == 3 and max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, key
 
 
@@ -548,30 +588,3 @@ if __name__ == "__main__":  # the resumed half of the resume test, in a fresh pr
     with open(result, "w") as f:
         json.dump({"losses": _logged(trainer, "loss")}, f)
     torch.save(trainer.model.state_dict(), os.path.join(out, "weights.pt"))
-
-
-def test_exact_steps_with_roundpipe_optim_overlap_the_next_call_and_match_trainer(
-        tmp_path, monkeypatch):
-    """RoundPipeTrainer's exact step with a roundpipe.optim optimizer takes the overlapped
-    path (pipe.step(optimizer): per-unit publish) and still logs plain Trainer's losses
-    and gradient norms."""
-    frozen = []
-    real = roundpipe.optim.AdamW.step_frozen
-
-    def counting(self, *args, **kwargs):
-        frozen.append(1)
-        return real(self, *args, **kwargs)
-    monkeypatch.setattr(roundpipe.optim.AdamW, "step_frozen", counting)
-    args = dict(max_steps=3, max_grad_norm=0.5, optim="adamw_torch_fused")
-    plain = Trainer(model=_model(), args=_args(str(tmp_path / "plain"), **args),
-                    train_dataset=_rows())
-    plain.train()
-    piped = RoundPipeTrainer(model=_model(), args=_args(str(tmp_path / "pipe"), **args),
-                             train_dataset=_rows(), pipe_options=PIPE, async_step=False,
-                             optimizer_cls_and_kwargs=(roundpipe.optim.AdamW,
-                                                       dict(lr=1e-2)))
-    piped.train()
-    assert len(frozen) == 3
-    for key in ("loss", "grad_norm"):
-        want, got = _logged(plain, key), _logged(piped, key)
-        assert len(got) == 3 and max(_rel(g, w) for g, w in zip(got, want)) <= 1e-5, key
