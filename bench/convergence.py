@@ -428,8 +428,8 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
                                                        "convergence.json"))
     add_smoke_flag(parser)
-    args = apply_smoke(parser.parse_args(), steps=3, batch=4, seq=32, d=32, layers=1,
-                       heads=2, warmup=1, eval_every=2, val_sequences=4,
+    args = apply_smoke(parser.parse_args(), steps=2, batch=4, seq=32, d=32, layers=1,
+                       heads=2, warmup=1, eval_every=1, val_sequences=4, num_microbatch=2,
                        runs="eager,exact,async,predict,warm", warm_steps=1, png="",
                        json="", pretrain_steps=2, ft_steps=3, ft_warmup=1, ft_eval_every=2,
                        ft_runs="eager,exact,predict", pretrained_dir="", reuse_check=2)

@@ -122,17 +122,43 @@ def worker(args: argparse.Namespace) -> None:
 
 # --- the driver --------------------------------------------------------------------------
 
+def _rank_variables(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun sets for one rank (none for a single process)."""
+    if world == 1:
+        return {}
+    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _worker_here(rank: int, world: int, port: int, out: str, bucket: str | None,
+                 args: argparse.Namespace) -> None:
+    """One rank in this process (its variables set meanwhile, its groups destroyed after)."""
+    variables = _rank_variables(rank, world, port)
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        worker(argparse.Namespace(**{**vars(args), "out": out, "bucket": bucket}))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def launch(world: int, bucket: str | None, args: argparse.Namespace, tag: str) -> list[dict]:
     port = _free_port()
     outs = [f"/tmp/roundpipe_bench_dp_{os.getpid()}_{tag}_{r}.json" for r in range(world)]
+    # --smoke runs rank 0 here (an interpreter's start and imports less: seconds); the
+    # other ranks start as every rank does otherwise: ``python data_parallel.py --worker``.
+    first = 1 if args.smoke else 0
     procs = []
-    if args.smoke and world == 1:  # one replica, no process group: here (seconds less)
-        worker(argparse.Namespace(**{**vars(args), "out": outs[0], "bucket": bucket}))
-    for rank in range(world if not (args.smoke and world == 1) else 0):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-        if world > 1:
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for rank in range(first, world):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+               **_rank_variables(rank, world, port)}
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", outs[rank],
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers",
                str(args.layers), "--d", str(args.d), "--batch", str(args.batch), "--seq",
@@ -140,6 +166,13 @@ def launch(world: int, bucket: str | None, args: argparse.Namespace, tag: str) -
         if bucket:
             cmd += ["--bucket", bucket]
         procs.append(subprocess.Popen(cmd, env=env))
+    try:
+        if first:
+            _worker_here(0, world, port, outs[0], bucket, args)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     for p in procs:
         if p.wait(timeout=900) != 0:
             raise SystemExit(f"{tag}: a worker failed")

@@ -16,6 +16,7 @@ Run ``python bench/device_memory.py [--what overhead|ratios|both] [--steps 6]``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -34,9 +35,10 @@ from benchutil import add_smoke_flag, apply_smoke, lm_loss  # noqa: E402
 MiB = 2**20
 
 
-def gpt_case(batch: int = 8, seq: int = 64) -> tuple[torch.nn.Module, tuple, torch.Tensor]:
+def gpt_case(batch: int = 8, seq: int = 64, d: int = 256,
+             layers: int = 4) -> tuple[torch.nn.Module, tuple, torch.Tensor]:
     torch.manual_seed(0)
-    model = GPT(96)
+    model = GPT(96, d=d, layers=layers)
     x = torch.randint(0, 96, (batch, seq))
     return model, (x,), torch.randint(0, 96, (batch, seq))
 
@@ -69,8 +71,8 @@ def step(pipe: Any, args: tuple, labels: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def overhead(steps: int) -> None:
-    pipes = {m: pipe_for(gpt_case, 4, 5, m) for m in (False, True)}
+def overhead(steps: int, gpt: Callable = gpt_case) -> None:
+    pipes = {m: pipe_for(gpt, 4, 5, m) for m in (False, True)}
     for m, (pipe, args, labels) in pipes.items():
         step(pipe, args, labels)  # warm up
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -84,14 +86,14 @@ def overhead(steps: int) -> None:
         pipe.close()
 
 
-def ratios(grain: str, smoke: bool = False) -> None:
+def ratios(grain: str, smoke: bool = False, gpt: Callable = gpt_case) -> None:
     """Per stage: the estimate, the measured peak and their ratio; then the estimate's
     parts (weights, gradients, activations) against the measured peak less the same
     weights and gradients (what the job held besides them)."""
     print(f"{'model':6} {'dev':>3} {'mb':>3} {'stage':>5} {'kind':5} {'est MiB':>8} "
           f"{'meas MiB':>8} {'est/meas':>8} | {'weights':>7} {'grads':>6} {'est act':>7} "
           f"{'meas rest':>9} {'act ratio':>9}")
-    cases = (("gpt", gpt_case),) if smoke else (("gpt", gpt_case), ("llama", llama_case))
+    cases = (("gpt", gpt),) if smoke else (("gpt", gpt), ("llama", llama_case))
     for name, case in cases:
         for devices in (2,) if smoke else (1, 4):
             for mb in (2,) if smoke else (1, 4):
@@ -122,12 +124,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed rounds (overhead)")
     parser.add_argument("--grain", choices=("stage", "layer"), default="stage",
                         help="recompute grain (ratios)")
+    # Not options: the example GPT's shape and tokens, which --smoke shrinks.
+    parser.set_defaults(gpt_d=256, gpt_layers=4, seq=64)
     add_smoke_flag(parser)
-    args = apply_smoke(parser.parse_args(), steps=1)
+    args = apply_smoke(parser.parse_args(), steps=1, gpt_d=32, gpt_layers=2, seq=8)
+    gpt = functools.partial(gpt_case, seq=args.seq, d=args.gpt_d, layers=args.gpt_layers)
     if args.what in ("overhead", "both"):
-        overhead(args.steps)
+        overhead(args.steps, gpt)
     if args.what in ("ratios", "both"):
-        ratios(args.grain, args.smoke)
+        ratios(args.grain, args.smoke, gpt)
 
 
 if __name__ == "__main__":

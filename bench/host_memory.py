@@ -179,8 +179,9 @@ def main() -> None:
                         help="where rpadamwdisk's files go (default: a temporary dir)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process's config
     add_smoke_flag(parser)
-    args = apply_smoke(parser.parse_args(), params_millions=1, steps=1, width=128,
-                       configs="bf16-fp32-rpadamwdisk")  # (its rows cover both tables)
+    # --smoke: 4 layers of 512 (1 M parameters), its rows cover both tables
+    args = apply_smoke(parser.parse_args(), params_millions=1, steps=1, width=512,
+                       configs="bf16-fp32-rpadamwdisk")
     if args.one:
         print(json.dumps(run_one(args.one, args.params_millions, args.steps, args.width,
                                  args.offload_dir)))

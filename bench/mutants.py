@@ -172,9 +172,12 @@ MUTANTS: list[Mutant] = [
       ("tests/test_checkpoint_durable.py",), "an exported safetensors shard is not flushed"),
 ]
 
-SMOKE = "merge-stack-dim"  # (its tests take a few seconds)
-SMOKE_TESTS = ("tests/test_stack_cat_merge.py::"
-               "test_pipe_call_merges_joins_like_eager[stack_before]",)
+# The smoke's mutation and test: a pure-Python test (no model to trace), so that each of
+# the two pytest runs costs little more than its interpreter's start.
+SMOKE = "partition-cut-off-by-one"
+SMOKE_TESTS = ("tests/test_partition.py::test_min_max_partition_hand_worked",)
+# Plugins none of the listed tests use, left out of the smoke's runs (their imports).
+SMOKE_NO_PLUGINS = ("-p", "no:anyio", "-p", "no:benchmark")
 
 
 def _pytest_args(tests: tuple[str, ...]) -> list[list[str]]:
@@ -189,14 +192,16 @@ def _pytest_args(tests: tuple[str, ...]) -> list[list[str]]:
     return runs
 
 
-def _run_tests(copy: str, tests: tuple[str, ...], timeout: float) -> tuple[str, float, str]:
-    """'pass', 'fail' or 'timeout' for ``tests`` in ``copy``, its seconds and its last lines."""
+def _run_tests(copy: str, tests: tuple[str, ...], timeout: float,
+               extra: tuple[str, ...] = ()) -> tuple[str, float, str]:
+    """'pass', 'fail' or 'timeout' for ``tests`` in ``copy``, its seconds and its last lines
+    (``extra``: more pytest options)."""
     env = {**os.environ, "PYTHONPATH": copy, "OMP_NUM_THREADS": "1"}
     start, tail = time.perf_counter(), ""
     for args in _pytest_args(tests):
         left = timeout - (time.perf_counter() - start)
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
-               "-W", "ignore", *args]
+               "-W", "ignore", *extra, *args]
         try:
             proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
                                   timeout=max(left, 1))
@@ -248,6 +253,7 @@ def main() -> None:
             print(f"{m.name:28s} {m.path:36s} {m.what}")
         return
     chosen = list(MUTANTS)
+    extra = SMOKE_NO_PLUGINS if args.smoke else ()
     if args.smoke:
         chosen = [Mutant(m.name, m.path, m.original, m.replacement, SMOKE_TESTS, m.what)
                   for m in chosen if m.name == SMOKE]
@@ -264,7 +270,7 @@ def main() -> None:
         broken: set[str] = set()
         if not args.no_baseline:  # each selection once, unmutated
             for t in dict.fromkeys(t for m in chosen for t in m.tests):
-                verdict, seconds, tail = _run_tests(copy, (t,), args.timeout)
+                verdict, seconds, tail = _run_tests(copy, (t,), args.timeout, extra)
                 print(f"baseline {t}: {verdict} in {seconds:.0f} s", flush=True)
                 if verdict != "pass":
                     broken.add(t)
@@ -276,7 +282,7 @@ def main() -> None:
                 continue
             text = _mutate(copy, m)
             try:
-                verdict, seconds, tail = _run_tests(copy, m.tests, args.timeout)
+                verdict, seconds, tail = _run_tests(copy, m.tests, args.timeout, extra)
             finally:
                 _restore(copy, m, text)
             status = "missed" if verdict == "pass" else "caught"

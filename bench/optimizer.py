@@ -82,16 +82,21 @@ def main() -> None:
                         help="where the disk tier's files go (default: a temporary dir)")
     parser.add_argument("--disk-width", type=int, default=4096)
     parser.add_argument("--disk-layers", type=int, default=16)
+    # Not options: the sizes of the measurements beside the model's (a bandwidth's
+    # buffers, the smallest disk-bandwidth file, the idle reference of gil_share), set
+    # here so that --smoke can shrink them.
+    parser.set_defaults(bandwidth_mib=256, disk_min_mib=64, idle_s=0.5)
     add_smoke_flag(parser)
     args = apply_smoke(parser.parse_args(), width=128, layers=2, repeats=1, disk_width=256,
-                       disk_layers=4)
+                       disk_layers=4, bandwidth_mib=4, disk_min_mib=8, idle_s=0.02)
     if args.disk_only:
         import tempfile
         disk_tier(args.disk_width, args.disk_layers, args.repeats,
-                  args.disk_dir or tempfile.gettempdir())
+                  args.disk_dir or tempfile.gettempdir(), args.disk_min_mib << 20)
         return
     if args.host_only:
-        host_step(args.width * args.width * args.layers, args.repeats)
+        host_step(args.width * args.width * args.layers, args.repeats,
+                  bandwidth_bytes=args.bandwidth_mib << 20, idle_s=args.idle_s)
         return
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
@@ -131,7 +136,7 @@ def main() -> None:
     pipe.synchronize()
     pipe.close()
 
-    roofline = memory_bandwidth() / 28
+    roofline = memory_bandwidth(args.bandwidth_mib << 20) / 28
     med = statistics.median
     rows = [
         ["torch.optim.AdamW(fused=True)", f"{n / med(eager_s) / 1e9:.3f}",
@@ -149,10 +154,10 @@ def main() -> None:
                    headers=["forward_backward ms (no step pending)",
                             "ms (async step pending)", "difference ms (spread)"]))
     grad_landing(n, args.repeats)
-    host_step(n, args.repeats)
+    host_step(n, args.repeats, bandwidth_bytes=args.bandwidth_mib << 20, idle_s=args.idle_s)
     import tempfile
     disk_tier(args.disk_width, args.disk_layers, args.repeats,
-              args.disk_dir or tempfile.gettempdir())
+              args.disk_dir or tempfile.gettempdir(), args.disk_min_mib << 20)
 
 
 def triad_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
@@ -186,7 +191,7 @@ def _one_pass_work(n: int, weight: torch.Tensor, landed: torch.Tensor, kind: str
             "publish": lambda: weight.copy_(master.detach())}
 
 
-def gil_share(fn: Callable[[], object], repeats: int = 3) -> float:
+def gil_share(fn: Callable[[], object], repeats: int = 3, idle_s: float = 0.5) -> float:
     """How much Python another thread runs while ``fn`` runs, against while the caller
     sleeps: near 1 when ``fn`` releases the GIL (torch's kernels), near 0 when it holds it
     (the pipeline's threads that launch GPU work would stall)."""
@@ -211,10 +216,11 @@ def gil_share(fn: Callable[[], object], repeats: int = 3) -> float:
         thread.join()
         return out[0] / elapsed
     busy = count(fn)
-    return busy / count(0.5)
+    return busy / count(idle_s)
 
 
-def host_step(n: int, repeats: int, kernels: tuple[str, ...] = ("native", "fused")) -> None:
+def host_step(n: int, repeats: int, kernels: tuple[str, ...] = ("native", "fused"),
+              bandwidth_bytes: int = 256 * 2**20, idle_s: float = 0.5) -> None:
     """The host's work per step (bf16 model, fp32 masters), phase by phase: torch's path
     (three passes: landing bf16 -> fp32 .grad, fused AdamW, publish fp32 -> bf16) against
     roundpipe.optim's (one pass that reads the landed bf16 gradient, then the same
@@ -243,7 +249,7 @@ def host_step(n: int, repeats: int, kernels: tuple[str, ...] = ("native", "fused
                 work["update"]()
             paths[f"{label}, {kernel}"] = work
             bytes_per_param[f"{label}, {kernel}"] = nbytes
-    gil = {label: gil_share(work["update"]) for label, work in paths.items()}
+    gil = {label: gil_share(work["update"], idle_s=idle_s) for label, work in paths.items()}
     times: dict[str, dict[str, list[float]]] = {k: {} for k in paths}
     for _ in range(repeats):
         for label, work in paths.items():
@@ -254,7 +260,7 @@ def host_step(n: int, repeats: int, kernels: tuple[str, ...] = ("native", "fused
                 t = time.perf_counter()
                 fn()
                 times[label].setdefault(phase, []).append(time.perf_counter() - t)
-    bandwidth = triad_bandwidth()
+    bandwidth = triad_bandwidth(bandwidth_bytes)
     per_b = 1e9 / n
     rows = []
     old_total = None
@@ -417,7 +423,8 @@ def disk_bandwidth(directory: str, nbytes: int, threads: int = 4,
     return out
 
 
-def disk_tier(width: int, layers: int, repeats: int, directory: str) -> None:
+def disk_tier(width: int, layers: int, repeats: int, directory: str,
+              min_bytes: int = 64 << 20) -> None:
     """The disk tier's exact step (pipe.step(opt): AdamW, fp32 masters of a bf16 model,
     fp32 moments) in seconds per billion parameters, beside the same step in host memory
     and the disk's own bandwidth measured here; the page cache is dropped before each
@@ -430,7 +437,7 @@ def disk_tier(width: int, layers: int, repeats: int, directory: str) -> None:
     n = sum(p.numel() for p in model.parameters())
     x = torch.randn(4, width, dtype=torch.bfloat16)
     call = dict(input_args=(x,), loss_fn=lambda out, _: out.float().square().mean())
-    bandwidth = disk_bandwidth(directory, max(64 << 20, 12 * n), threads=4)
+    bandwidth = disk_bandwidth(directory, max(min_bytes, 12 * n), threads=4)
     times: dict[str, list[float]] = {}
     moved = 0
     # The VM's disk is shared: its bandwidth drifts within minutes.  So each timed tier

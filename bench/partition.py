@@ -105,13 +105,12 @@ class ConvBlock(nn.Module):
 
 
 class ConvNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, chans: tuple[int, ...] = (16, 16, 32, 32, 64, 64, 128, 128)) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 16, 3, 1, 1)
-        chans = [16, 16, 32, 32, 64, 64, 128, 128]
         self.blocks = nn.Sequential(*[ConvBlock(chans[max(i - 1, 0)], c, 2 if i in (2, 4, 6)
                                                 else 1) for i, c in enumerate(chans)])
-        self.head = nn.Linear(128, 10)
+        self.head = nn.Linear(chans[-1], 10)
 
     def forward(self, x):
         return self.head(self.blocks(F.relu(self.stem(x))).mean((2, 3)))
@@ -169,10 +168,10 @@ def balance_rows(stages: int, smoke: bool = False) -> list[list[str]]:
         ("transformer", LM(8192, 256, 8), (torch.randint(0, 8192, (4, 128)),)),
         ("conv net", ConvNet(), (torch.randn(8, 3, 64, 64),)),
         ("MoE transformer", LM(2048, 128, 8, moe=True), (torch.randint(0, 2048, (4, 64)),)),
-    ] if not smoke else [
-        ("transformer", LM(64, 32, 4), (torch.randint(0, 64, (2, 8)),)),
-        ("conv net", ConvNet(), (torch.randn(1, 3, 16, 16),)),
-        ("MoE transformer", LM(64, 32, 4, moe=True), (torch.randint(0, 64, (2, 8)),)),
+    ] if not smoke else [  # each still cut into more units than stages (4)
+        ("transformer", LM(64, 32, 2), (torch.randint(0, 64, (2, 8)),)),
+        ("conv net", ConvNet((16, 16, 32)), (torch.randn(1, 3, 16, 16),)),
+        ("MoE transformer", LM(64, 32, 2, moe=True), (torch.randint(0, 64, (2, 8)),)),
     ]
     rows = []
     for name, model, example in cases:
@@ -255,7 +254,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sections", default="balance,compile,capped")
     add_smoke_flag(parser)
-    args = apply_smoke(parser.parse_args(), max_layers=2, repeats=1, sections="balance,compile")
+    args = apply_smoke(parser.parse_args(), max_layers=1, repeats=1, sections="balance,compile")
     sections = args.sections.split(",")
     if "capped" in sections:
         print("1.36B Llama (24 x 2048, bf16), 1 device, 2 x 4 x 2048 tokens, 24 GiB cap")
