@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_train_gpt_example_runs_and_prints_the_plan(forkserver):
     result = forkserver.run(os.path.join(ROOT, "examples", "train_gpt.py"),
-                            ["--steps", "20", "--devices", "2"], cwd=ROOT)
+                            ["--steps", "20", "--devices", "2", "--seq-len", "16"], cwd=ROOT)
     assert result.returncode == 0, result.output[-3000:]
     out = result.stdout
     assert "stage" in out and "fused" in out and "bwd" in out  # the plan table
@@ -44,8 +44,8 @@ def test_finetune_trainer_example_runs_through_transformers_trainer(forkserver, 
     own logs, then the plan and a held-out evaluation through the pipe."""
     pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
     result = forkserver.run(os.path.join(ROOT, "examples", "finetune_trainer.py"),
-                            ["--steps", "6", "--devices", "2", "--output-dir", str(tmp_path)],
-                            cwd=ROOT)
+                            ["--steps", "4", "--devices", "2", "--batch-size", "8",
+                             "--num-microbatch", "2", "--output-dir", str(tmp_path)], cwd=ROOT)
     assert result.returncode == 0, result.output[-3000:]
     out = result.stdout
     assert "LlamaForCausalLM on cpu:0, cpu:1, exact steps" in out
