@@ -44,8 +44,8 @@ def test_finetune_trainer_example_runs_through_transformers_trainer(forkserver, 
     own logs, then the plan and a held-out evaluation through the pipe."""
     pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
     result = forkserver.run(os.path.join(ROOT, "examples", "finetune_trainer.py"),
-                            ["--steps", "4", "--devices", "2", "--batch-size", "8",
-                             "--num-microbatch", "2", "--output-dir", str(tmp_path)], cwd=ROOT)
+                            ["--steps", "6", "--devices", "2", "--output-dir", str(tmp_path)],
+                            cwd=ROOT)
     assert result.returncode == 0, result.output[-3000:]
     out = result.stdout
     assert "LlamaForCausalLM on cpu:0, cpu:1, exact steps" in out
