@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sections", default="balance,compile,capped")
     add_smoke_flag(parser)
-    args = apply_smoke(parser.parse_args(), max_layers=1, repeats=1, sections="balance,compile")
+    args = apply_smoke(parser.parse_args(), max_layers=2, repeats=1, sections="balance,compile")
     sections = args.sections.split(",")
     if "capped" in sections:
         print("1.36B Llama (24 x 2048, bf16), 1 device, 2 x 4 x 2048 tokens, 24 GiB cap")

@@ -50,11 +50,11 @@ def _args(out: str, **overrides) -> TrainingArguments:
 
 
 def _model(dropout: float = 0.0) -> torch.nn.Module:
-    # One decoder layer (half of plain Trainer's work, a shorter trace): the pipe runs the
-    # decoder and the head as two units on 2 devices (forward, fused tail, backward
-    # stages); what these tests check is on Trainer's side.  Block units, their side
-    # inputs and their stages are tests/test_hf_models.py's.
-    model = hf.build("llama", num_hidden_layers=1)
+    # Two decoder layers, the fewest that make them units of their own (block detection
+    # needs 2 repeated siblings; with 1 the whole LlamaModel is one unit): Trainer's
+    # padded batches then cross stage boundaries with the mask and rotary inputs, a layer
+    # sits in the fused stage, and LoRA adapters spread over several units.
+    model = hf.build("llama", num_hidden_layers=2)
     for module in model.modules():  # attention dropout: the keyed streams must resume too
         if hasattr(module, "attention_dropout"):
             module.attention_dropout = dropout
