@@ -155,6 +155,18 @@ def _snapshot(pipe, opt):
                 losses=[])
 
 
+def _plain_steps(model, devices: int, batches):
+    """The snapshot after forward_backward then pipe.step per batch (no landing step)."""
+    with RoundPipe(model, devices=["cpu"] * devices, optim_dtype=torch.float32,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
+        opt = _adamw(pipe.optim_parameters())
+        for xi, yi in batches:
+            pipe.forward_backward(input_args=(xi,), label=yi, loss_fn=_loss)
+            pipe.step(opt)
+        pipe.synchronize()
+        return _snapshot(pipe, opt)
+
+
 class _Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -236,14 +248,7 @@ def test_what_cannot_step_as_gradients_land_runs_the_plain_order_with_a_reason(
 def test_a_failing_loss_in_a_later_microbatch_changes_nothing() -> None:
     (x, y), (x2, y2) = _data(2)
     # what both cases must end as: the plain order over the two good calls
-    with RoundPipe(_model(), devices=["cpu"] * 3, optim_dtype=torch.float32,
-                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
-        opt = _adamw(pipe.optim_parameters())
-        for xi, yi in ((x, y), (x2, y2)):
-            pipe.forward_backward(input_args=(xi,), label=yi, loss_fn=_loss)
-            pipe.step(opt)
-        pipe.synchronize()
-        plain = _snapshot(pipe, opt)
+    plain = _plain_steps(_model(), 3, ((x, y), (x2, y2)))
     for bad in ("raise", "nan"):
         with RoundPipe(_model(), devices=["cpu"] * 3, optim_dtype=torch.float32,
                        model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
@@ -336,14 +341,7 @@ def test_a_disk_read_failing_before_or_after_the_first_unit(tmp_path) -> None:
         store.fault = None
         with pytest.raises(StepError, match="Load a checkpoint"):
             pipe.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss, step=opt)
-    with RoundPipe(copy.deepcopy(base), devices=["cpu"] * 2, optim_dtype=torch.float32,
-                   model_run_config=RoundPipeRunConfig(num_microbatch=3)) as pipe:
-        opt = _adamw(pipe.optim_parameters())
-        for xi, yi in ((x, y), (x2, y2)):
-            pipe.forward_backward(input_args=(xi,), label=yi, loss_fn=_loss)
-            pipe.step(opt)
-        pipe.synchronize()
-        _equal(after, _snapshot(pipe, opt))
+    _equal(after, _plain_steps(copy.deepcopy(base), 2, ((x, y), (x2, y2))))
 
 
 def test_a_disk_tier_stepped_as_gradients_land_resumes_bitwise(tmp_path) -> None:
